@@ -1,0 +1,48 @@
+# deepfleet developer commands. `make demo` and `make test` are the README's quick start:
+# on a fresh machine each one installs what it needs into .venv first.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU install path pins torch exactly: a range lets pip pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+EXTRAS := engine,kernels,controller,kubernetes,azure,dev
+PYTEST_ARGS ?=
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install demo test test-fast test-all lint bench images clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip "setuptools>=75" wheel
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q $(TORCH_PIN) -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m deepfleet.controller.demo
+
+test: install
+	bash .ci/test.sh $(PYTEST_ARGS)
+
+test-fast: install
+	bash .ci/test.sh -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+bench: install
+	$(PY) benchmarks/run_all.py
+
+images:
+	docker build -f worker/Dockerfile -t deepfleet-worker:0.1.0 .
+	docker build -f controller/Dockerfile -t deepfleet-controller:0.1.0 .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .ci/bin

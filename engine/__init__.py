@@ -1,0 +1,19 @@
+"""deepfleet's training engine, DeepSpeed-shaped: porting a script is an import change
+(`import deepfleet.engine as deepspeed`).
+
+The public names load lazily (PEP 562), so importing this package runs nothing and pulls in no torch.
+"""
+
+_EXPORTS = {
+    "initialize": "deepfleet.engine.engine",
+    "DeepFleetEngine": "deepfleet.engine.engine",
+    "init_distributed": "deepfleet.engine.dist",
+}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'deepfleet.engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,104 @@
+"""The one helper that runs a function on N gloo ranks in fresh processes.
+
+Every multi-process test uses `spawn(fn, world_size, *args)`: each rank gets a gloo process group with a
+short timeout, one intra-op thread (two ranks with two threads each on a 2-core box run ~15x slower),
+and its result (any picklable value) comes back in rank order. A rank that raises makes the call raise
+with that rank's traceback; a hang makes it raise after `timeout` seconds and kills every rank.
+`fn` must be importable by module path (a module-level function in a test module).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, out: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        result = fn(rank, world_size, *args)
+        out.put((rank, True, result))
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        out.put((rank, False, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, out), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"spawn({fn.__name__}, {world_size}) did not finish in {timeout:.0f}s")
+            try:
+                rank, ok, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and not errors:
+                    # a rank died without reporting (e.g. a signal); give the others a moment to report
+                    time.sleep(1.0)
+                    if out.empty():
+                        codes = {i: p.exitcode for i, p in enumerate(procs)}
+                        raise RuntimeError(f"rank process died without a report; exit codes {codes}") from None
+                continue
+            (results if ok else errors)[rank] = value
+            if errors:
+                break
+        if errors:
+            rank = min(errors)
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
