@@ -1,0 +1,65 @@
+"""The `deepfleet` command line: a thin typer root.
+
+Called by the `deepfleet` console script (`main`). Each command imports what it needs inside its
+function body, so `deepfleet --help` stays fast and the CLI never pulls torch, the API, the
+database or a backend into its process (import-linter checks the last three).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="deepfleet",
+    help="Train large PyTorch models across many machines, and run those jobs locally, on Kubernetes or Azure ML.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Exit code for input the user must fix (same meaning as the worker's "invalid spec or config").
+EXIT_INVALID_INPUT = 2
+
+
+@app.command()
+def validate(
+    config: Annotated[str, typer.Argument(help="DeepSpeed-style engine config: a .json/.yaml path or a JSON string.")],
+    world_size: Annotated[
+        int, typer.Option("--world-size", "-w", min=1, help="Data-parallel world size used to resolve batch sizes.")
+    ] = 1,
+    hidden_size: Annotated[
+        int | None, typer.Option("--hidden-size", min=1, help="Model hidden size, to resolve \"auto\" ZeRO bucket sizes.")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the normalized config as one compact JSON line.")
+    ] = False,
+) -> None:
+    """Check an engine config and print it normalized (every default filled in, "auto" resolved).
+
+    Exits 0 when valid; otherwise prints one line per problem ("<dotted.key>: <problem>; <fix>")
+    and exits 2.
+    """
+    from deepfleet.engine.config import ConfigError, load_config
+
+    source: str | Path = config
+    try:
+        cfg = load_config(source, world_size=world_size, hidden_size=hidden_size)
+    except ConfigError as e:
+        for line in e.errors:
+            typer.echo(line, err=True)
+        raise typer.Exit(EXIT_INVALID_INPUT) from None
+    normalized = cfg.to_dict()
+    typer.echo(json.dumps(normalized) if as_json else json.dumps(normalized, indent=2))
+
+
+def main() -> None:
+    """Entry point of the `deepfleet` console script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
