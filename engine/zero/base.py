@@ -9,7 +9,7 @@ stage 3 `zero/fsdp.py` (FSDP2). `engine/checkpoint/` saves and loads through `st
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -76,3 +76,22 @@ class ZeroStrategy(Protocol):
     def load_state_dict(self, state: dict) -> None:
         """Load a dict shaped like `state_dict()` (tensors already placed, e.g. by dcp.load in place)."""
         ...
+
+
+class StrategyFactory(Protocol):
+    """How `engine/build.py` constructs every strategy (the classes themselves are the factories).
+
+    The model arrives in fp32, untouched: the strategy casts it to `compute_dtype` for forward/backward
+    where that is its way (stages 0-2 keep fp32 master copies of what the optimizer updates; stage 3
+    keeps fp32 shards and casts per forward through FSDP2's mixed-precision policy). `zero_config` is
+    `DeepFleetConfig.zero_optimization` (bucket sizes, overlap knobs); `process_group` is the
+    data-parallel group, None for the default (WORLD)."""
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        *,
+        compute_dtype: torch.dtype,
+        zero_config: Any,
+        process_group: Any = None,
+    ) -> ZeroStrategy: ...
