@@ -25,6 +25,12 @@ app = typer.Typer(
 EXIT_INVALID_INPUT = 2
 
 
+@app.callback()
+def _root() -> None:
+    """deepfleet: train large PyTorch models and run those jobs on local machines, Kubernetes or Azure ML."""
+    # A callback keeps `deepfleet <command>` a command group even while only one command exists.
+
+
 @app.command()
 def validate(
     config: Annotated[str, typer.Argument(help="DeepSpeed-style engine config: a .json/.yaml path or a JSON string.")],
