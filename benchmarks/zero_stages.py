@@ -1,0 +1,181 @@
+"""ZeRO stage benchmark: one training script, two engines.
+
+The same DeepSpeed-style loop runs on deepfleet (`import deepfleet.engine as deepspeed`) or on the real
+DeepSpeed (`import deepspeed`, from its own virtual environment — it is not a project dependency), on the
+same model (`examples/gpt/model.py`), the same deterministic data and the same config. That the loop is
+identical is the porting claim; what differs is measured.
+
+One rank group per run (launch with torchrun); rank 0 prints one JSON line:
+`{"impl", "stage", "world_size", "params", "bytes": {...}, "step_time_median_s", "tokens_per_s", "losses"}`.
+Model-state bytes are counted from tensor storages (deduplicated by storage, shards counted locally):
+for deepfleet from the strategy's own inventory (`engine.sharding.model_state_tensors()`); for both
+engines also as every tensor storage reachable from the engine object (`reachable_bytes`), which
+includes communication buffers.
+
+Usage: torchrun --standalone --nproc-per-node 2 benchmarks/zero_stages.py --impl deepfleet --stage 2
+`benchmarks/run_all.py` drives the full comparison and prints the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def bench_config(stage: int, *, micro_batch: int, torch_adam: bool, bf16: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+            "torch_adam": torch_adam,
+        },
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7},
+        "steps_per_print": 10**9,
+    }
+
+
+def reachable_bytes(root: object, *, max_depth: int = 6) -> int:
+    """Bytes of every distinct tensor storage reachable from `root` through attributes, lists, tuples and
+    dicts (parameters, gradients, optimizer state, flat buffers) — the same walk for both engines."""
+    import torch
+
+    seen_objs: set[int] = set()
+    storages: dict[int, int] = {}
+
+    def visit(obj: object, depth: int) -> None:
+        if depth > max_depth or id(obj) in seen_objs:
+            return
+        seen_objs.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            tensors = [obj]
+            if obj.grad is not None:
+                tensors.append(obj.grad)
+            local = getattr(obj, "_local_tensor", None)  # DTensor: count the local shard
+            if local is not None:
+                tensors.append(local)
+            for t in tensors:
+                if t.device.type == "meta":
+                    continue
+                try:
+                    st = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st.nbytes() and st.data_ptr():
+                    storages[st.data_ptr()] = st.nbytes()
+            return
+        if isinstance(obj, torch.nn.Module):
+            for t in obj.parameters():
+                visit(t, depth + 1)
+            for t in obj.buffers():
+                visit(t, depth + 1)
+        if isinstance(obj, dict):
+            for v in obj.values():
+                visit(v, depth + 1)
+        elif isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                visit(v, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for v in vars(obj).values():
+                visit(v, depth + 1)
+        if isinstance(obj, torch.optim.Optimizer):
+            visit(obj.state, depth + 1)
+
+    visit(root, 0)
+    return sum(storages.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--impl", choices=["deepfleet", "deepspeed"], required=True)
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--fused-adam", action="store_true", help="let each engine pick its own AdamW kernel")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if args.impl == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        import deepfleet.engine as deepspeed
+
+        deepspeed.init_distributed()
+
+    from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers)
+    torch.manual_seed(0)
+    model = GPTWithLoss(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    config = bench_config(args.stage, micro_batch=args.micro_batch, torch_adam=not args.fused_adam, bf16=args.bf16)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    data = SyntheticTokens(num_samples=args.micro_batch * world * (args.steps + args.warmup), seq_len=args.seq,
+                           vocab_size=args.vocab, seed=1)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        lo = (step * world + rank) * args.micro_batch
+        batch = torch.utils.data.default_collate([data[i] for i in range(lo, lo + args.micro_batch)])
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+        dist.barrier()
+        dt = time.perf_counter() - t0
+        avg = loss.detach().float().clone()
+        dist.all_reduce(avg)
+        losses.append(round(avg.item() / world, 6))
+        if step >= args.warmup:
+            times.append(dt)
+
+    report: dict = {"bytes": {"reachable": reachable_bytes(engine)}}
+    if args.impl == "deepfleet":
+        from deepfleet.engine.memory import model_state_bytes
+
+        report["bytes"].update(model_state_bytes(engine.sharding))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, report["bytes"])
+    if rank == 0:
+        median = statistics.median(times)
+        print(json.dumps({
+            "bench": "zero_stage",
+            "impl": args.impl,
+            "stage": args.stage,
+            "world_size": world,
+            "params": n_params,
+            "bytes_per_rank": gathered,
+            "step_time_median_s": round(median, 5),
+            "tokens_per_s": round(args.micro_batch * world * args.seq / median, 1),
+            "losses": losses,
+        }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
