@@ -1,0 +1,409 @@
+"""The worker's contracts: the WorkerSpec a backend hands every worker process, the exit codes the
+controller keys its failure handling on, a pure exit-code classifier, and the Heartbeat and
+FailureReport bodies a worker posts back.
+
+Callers: the controller (builds a WorkerSpec from a job, classifies worker exits, validates the
+heartbeats it receives), every backend (serializes the spec into `DEEPFLEET_WORKER_SPEC`) and the
+worker itself (`worker/cli.py` loads it). This module is torch-free by contract: the controller
+imports it, and a test imports it with torch blocked.
+
+Validation follows the project rule: every problem becomes one line `"<dotted.key>: <problem>; <fix>"`
+(`WorkerSpecError.errors`), unknown keys are reported by name, never ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+SPEC_ENV = "DEEPFLEET_WORKER_SPEC"
+JOB_ID_ENV = "DEEPFLEET_JOB_ID"
+ATTEMPT_ENV = "DEEPFLEET_ATTEMPT"
+HEARTBEAT_URL_ENV = "DEEPFLEET_HEARTBEAT_URL"
+TOKEN_ENV = "DEEPFLEET_TOKEN"
+
+SIGNAL_EXIT_BASE = 128
+
+
+# ---------------------------------------------------------------------------------------------- exit codes
+class ExitCode(enum.IntEnum):
+    """What a worker process's exit status means (DESIGN.md, "Worker exit codes").
+
+    Codes 64..78 follow BSD sysexits where one fits (64 EX_USAGE, 75 EX_TEMPFAIL). A worker killed
+    by signal N exits 128+N (the shell convention); `signal_exit_code(N)` builds it.
+    """
+
+    SUCCEEDED = 0
+    INVALID_SPEC = 64  # spec or engine config invalid: no retry
+    USER_ERROR = 65  # the training code raised: retry only if the policy says so
+    PREEMPTED = 75  # checkpoint taken at a step boundary, resumable: retry, not counted against the budget
+    COMM_FAILURE = 76  # collective/rendezvous timeout or a lost peer: retry
+    OOM = 77  # out of memory: no blind retry, the event says what to change
+
+
+def signal_exit_code(signum: int) -> int:
+    """Exit status of a process killed by signal `signum` (128 + N)."""
+    return SIGNAL_EXIT_BASE + int(signum)
+
+
+class FailureClass(str, enum.Enum):
+    """How the controller's failure ladder sees one worker exit."""
+
+    SUCCEEDED = "succeeded"
+    INVALID_SPEC = "invalid_spec"
+    USER_ERROR = "user_error"
+    PREEMPTED = "preempted"
+    COMM_FAILURE = "comm_failure"
+    OOM = "oom"
+    NODE_LOST = "node_lost"  # killed by a signal without a checkpoint (node loss, eviction, SIGKILL)
+    UNKNOWN = "unknown"
+
+
+_CODE_CLASS = {
+    ExitCode.SUCCEEDED: FailureClass.SUCCEEDED,
+    ExitCode.INVALID_SPEC: FailureClass.INVALID_SPEC,
+    ExitCode.PREEMPTED: FailureClass.PREEMPTED,
+    ExitCode.COMM_FAILURE: FailureClass.COMM_FAILURE,
+    ExitCode.OOM: FailureClass.OOM,
+}
+
+# Log text that identifies the cause when the exit status alone does not (a generic exit 1 from a
+# script, a SIGKILL from the kernel's OOM killer). Matched case-insensitively against the log tail.
+_OOM_PATTERNS = re.compile(
+    r"out of memory|outofmemoryerror|\bMemoryError\b|cannot allocate memory|can't allocate memory"
+    r"|\bOOMKilled\b|oom-kill|\bENOMEM\b",
+    re.IGNORECASE,
+)
+_COMM_PATTERNS = re.compile(
+    r"\bnccl\w*\s*(error|timeout)|\bDistBackendError\b|ncclSystemError|ncclInternalError|ncclRemoteError|ncclUnhandledCudaError"
+    r"|watchdog caught collective operation timeout|communicator was aborted"
+    r"|gloo\b.*(timed out|timeout|connection|closed|refused)|connectFullMesh failed"
+    r"|connection (reset|closed) by peer|\bDistNetworkError\b|\bDistStoreError\b"
+    r"|Rendezvous(Timeout|Closed|Connection)Error|collective operation timeout",
+    re.IGNORECASE,
+)
+
+
+def classify_exit(code: int, *, log_tail: str = "") -> FailureClass:
+    """Map a worker's exit status (and the tail of its log) to a FailureClass. Pure.
+
+    The worker's own contract codes (0, 64, 75, 76, 77) are trusted as they are. For a user error
+    (65), any other non-zero status, or a signal death, the log tail decides when it names an
+    out-of-memory or a communication failure. A negative `code` is Python's `returncode` for a
+    signal death (-N) and is read as 128+N.
+    """
+    if code < 0:
+        code = signal_exit_code(-code)
+    if code in _CODE_CLASS:
+        return _CODE_CLASS[ExitCode(code)]
+    if _OOM_PATTERNS.search(log_tail):
+        return FailureClass.OOM
+    if _COMM_PATTERNS.search(log_tail):
+        return FailureClass.COMM_FAILURE
+    if code > SIGNAL_EXIT_BASE:
+        return FailureClass.NODE_LOST
+    if 0 < code < SIGNAL_EXIT_BASE:
+        return FailureClass.USER_ERROR
+    return FailureClass.UNKNOWN
+
+
+# ---------------------------------------------------------------------------------------------- the spec
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ScriptEntrypoint(_Model):
+    """A DeepSpeed-style user script, run in every training process as `__main__` with `args`."""
+
+    script: str = Field(description="Path of the Python script (absolute, or relative to the working dir).")
+    args: list[str] = Field(default_factory=list, description="Command-line arguments for the script.")
+
+
+class FactoryEntrypoint(_Model):
+    """A `pkg.mod:function` returning the model, data and (optionally) a loss for the managed loop."""
+
+    factory: str = Field(description='"package.module:function"; called with `kwargs`, returns a ManagedJob.')
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+
+    @field_validator("factory")
+    @classmethod
+    def _module_colon_function(cls, v: str) -> str:
+        mod, sep, fn = v.partition(":")
+        if not sep or not mod or not fn or not all(p.isidentifier() for p in [*mod.split("."), *fn.split(".")]):
+            raise ValueError(f'{v!r} is not "package.module:function"; write it like "examples.gpt.factories:build"')
+        return v
+
+
+def _entrypoint_kind(value: Any) -> str | None:
+    if isinstance(value, Mapping):
+        if "script" in value:
+            return "script"
+        if "factory" in value:
+            return "factory"
+        return None
+    return "script" if isinstance(value, ScriptEntrypoint) else "factory" if isinstance(value, FactoryEntrypoint) else None
+
+
+Entrypoint = Annotated[
+    Annotated[ScriptEntrypoint, Tag("script")] | Annotated[FactoryEntrypoint, Tag("factory")],
+    Discriminator(
+        _entrypoint_kind,
+        custom_error_type="entrypoint_kind",
+        custom_error_message='needs "script" (a user script) or "factory" ("pkg.mod:function"); set one of them',
+    ),
+]
+
+
+class NodesSpec(_Model):
+    """Elastic node range: training runs with any node count in [min, max] (torchrun --nnodes MIN:MAX)."""
+
+    min: int = Field(1, ge=1, description="Fewest nodes training may run with.")
+    max: int = Field(1, ge=1, description="Most nodes training may run with.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NodesSpec:
+        if self.min > self.max:
+            raise ValueError(f"min={self.min} is larger than max={self.max}; make min <= max")
+        return self
+
+
+class RendezvousSpec(_Model):
+    """torch.distributed.elastic c10d rendezvous. The endpoint is derived from the backend's environment
+    (see worker/rendezvous.py) when left unset."""
+
+    backend: Literal["c10d"] = Field("c10d", description="Rendezvous backend (c10d: a TCPStore on one node).")
+    endpoint: str | None = Field(None, description='"host:port" of the rendezvous store; None: derived.')
+    port: int = Field(29400, ge=1, le=65535, description="Port when the endpoint is derived.")
+    run_id: str | None = Field(None, description='Rendezvous run id; None: "<job_id>-<attempt>".')
+    join_timeout_s: float = Field(600.0, gt=0, description="How long a node waits for the group to form.")
+    last_call_timeout_s: float = Field(
+        30.0, gt=0, description="Extra wait for more nodes once `nodes.min` have joined."
+    )
+    close_timeout_s: float = Field(60.0, gt=0, description="How long to wait for a closing rendezvous.")
+    pg_timeout_s: float = Field(300.0, gt=0, description="Timeout of collectives in the training process group.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f'{v!r} is not "host:port"; write it like "10.0.0.4:29400"')
+        return v
+
+
+class CheckpointSpec(_Model):
+    """Where and how often the managed loop checkpoints (layout: DESIGN.md, "Checkpoint layout")."""
+
+    dir: str | None = Field(None, description="Checkpoint root shared by all nodes; None: no checkpoints.")
+    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps (0: only at the end/preemption).")
+    keep_last: int | None = Field(None, ge=1, description="Keep only the newest N complete checkpoints.")
+
+
+class RestartSpec(_Model):
+    """In-place restarts by the elastic agent before the worker gives up (the controller's ladder
+    then starts a new attempt)."""
+
+    max_restarts: int = Field(3, ge=0, description="Local restarts of the whole process group.")
+    monitor_interval_s: float = Field(1.0, gt=0, description="How often the agent checks its processes.")
+
+
+class HeartbeatSpec(_Model):
+    """Rank 0 posts a Heartbeat to `url`; any rank may post a FailureReport to `failure_url`."""
+
+    url: str | None = Field(None, description="Heartbeat endpoint (http/https); None: no heartbeats.")
+    failure_url: str | None = Field(None, description="Failure-report endpoint; None: none are posted.")
+    token: str | None = Field(None, description="Bearer token scoped to this job (or DEEPFLEET_TOKEN).")
+    interval_s: float = Field(10.0, gt=0, description="Seconds between heartbeats.")
+    timeout_s: float = Field(2.0, gt=0, description="HTTP timeout of one post.")
+
+    @field_validator("url", "failure_url")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r} is not an http(s) URL; write it like https://controller:8000/...")
+        return v
+
+
+class PreemptionSpec(_Model):
+    """SIGTERM or a notice file makes every rank checkpoint at the next step boundary and exit 75."""
+
+    notice_file: str | None = Field(
+        None, description="Path whose appearance means preemption is coming (cloud spot notices)."
+    )
+    grace_period_s: float = Field(30.0, gt=0, description="Seconds between the notice and a forced stop.")
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class WorkerSpec(_Model):
+    """Everything one worker needs to run its share of a training job."""
+
+    job_id: str = Field(min_length=1, description="The controller's job id.")
+    attempt: int = Field(0, ge=0, description="Attempt number (new attempts start a new rendezvous).")
+    entrypoint: Entrypoint
+    engine_config: dict[str, Any] | str | None = Field(
+        None, description="Engine (DeepSpeed-style) config: an inline dict or a path to .json/.yaml."
+    )
+    platform: Literal["auto", "local", "kubernetes", "azureml"] = Field(
+        "auto", description="Whose environment names the node rank and master address; auto: detect."
+    )
+    nodes: NodesSpec = NodesSpec()
+    processes_per_node: int = Field(1, ge=1, description="Training processes per node (one per GPU).")
+    rendezvous: RendezvousSpec = RendezvousSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    restart: RestartSpec = RestartSpec()
+    heartbeat: HeartbeatSpec = HeartbeatSpec()
+    preemption: PreemptionSpec = PreemptionSpec()
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps the managed loop trains to.")
+    log_every_steps: int = Field(10, ge=1, description="Managed loop: print a progress line every N steps.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for training processes.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not _ENV_NAME.match(k)]
+        if bad:
+            raise ValueError(f"invalid variable name(s) {bad}; use letters, digits and _")
+        return v
+
+    @model_validator(mode="after")
+    def _factory_needs_steps(self) -> WorkerSpec:
+        if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
+            raise ValueError("max_steps: a factory entrypoint needs it; set max_steps to the steps to train")
+        return self
+
+    @property
+    def run_id(self) -> str:
+        """The rendezvous run id: one per attempt, so a new attempt never joins a stale group."""
+        return self.rendezvous.run_id or f"{self.job_id}-{self.attempt}"
+
+
+# ---------------------------------------------------------------------------------------------- reports
+class Heartbeat(_Model):
+    """What rank 0 posts every `heartbeat.interval_s` (DESIGN.md, "Heartbeat")."""
+
+    step: int = Field(ge=0, description="Optimizer steps completed.")
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = Field(None, ge=0, description="Training throughput over the last interval.")
+    last_complete_checkpoint: str | None = Field(None, description="Tag of the newest COMPLETE checkpoint.")
+    time: datetime = Field(default_factory=lambda: datetime.now(timezone.utc), description="UTC, when taken.")
+
+
+class FailureReport(_Model):
+    """What any rank may post before it exits abnormally (JSON key `class`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+
+    rank: int = Field(ge=0)
+    failure_class: FailureClass = Field(alias="class")
+    message: str = Field(max_length=4000, description="One line: what failed and where.")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+class WorkerSpecError(ValueError):
+    """An invalid worker spec. `.errors` holds one line per problem: "<dotted.key>: <problem>; <fix>"."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("invalid worker spec: " + " | ".join(errors))
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    # Drop the union tag pydantic puts in the location ("entrypoint.script.args" -> "entrypoint.args").
+    if len(loc) > 2 and loc[0] == "entrypoint" and loc[1] in ("script", "factory"):
+        loc = (loc[0], *loc[2:])
+    return ".".join(str(p) for p in loc) or "<spec>"
+
+
+def _one_line(err: dict[str, Any]) -> str:
+    where = _dotted(tuple(err["loc"]))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{where}: unknown key; remove it or check its spelling"
+    if kind == "missing":
+        return f"{where}: required; set it"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"] and re.match(r"^[\w.]+: ", msg):  # a cross-field check names its own key
+        return msg
+    return f"{where}: {msg}" if ";" in msg else f"{where}: {msg}; fix the value"
+
+
+def parse_worker_spec(data: Mapping[str, Any], *, environ: Mapping[str, str] | None = None) -> WorkerSpec:
+    """Validate a spec dict. Worker-environment variables fill the keys the spec leaves unset:
+    DEEPFLEET_JOB_ID -> job_id, DEEPFLEET_ATTEMPT -> attempt, DEEPFLEET_HEARTBEAT_URL -> heartbeat.url,
+    DEEPFLEET_TOKEN -> heartbeat.token (the token is kept out of the stored spec)."""
+    env = os.environ if environ is None else environ
+    if not isinstance(data, Mapping):
+        raise WorkerSpecError([f"<spec>: expected a JSON object, got {type(data).__name__}; write {{...}}"])
+    raw: dict[str, Any] = dict(data)
+    if JOB_ID_ENV in env:
+        raw.setdefault("job_id", env[JOB_ID_ENV])
+    if ATTEMPT_ENV in env:
+        raw.setdefault("attempt", env[ATTEMPT_ENV])
+    hb = raw.get("heartbeat")
+    if isinstance(hb, Mapping) or hb is None:
+        hb = dict(hb or {})
+        if HEARTBEAT_URL_ENV in env:
+            hb.setdefault("url", env[HEARTBEAT_URL_ENV])
+        if TOKEN_ENV in env:
+            hb.setdefault("token", env[TOKEN_ENV])
+        if hb:
+            raw["heartbeat"] = hb
+    try:
+        return WorkerSpec.model_validate(raw)
+    except ValidationError as e:
+        raise WorkerSpecError([_one_line(err) for err in e.errors()]) from None
+
+
+def load_worker_spec(source: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+                     ) -> WorkerSpec:
+    """Load a spec from JSON text, a .json/.yaml file, or (source None) `DEEPFLEET_WORKER_SPEC`,
+    which holds either JSON text or a path."""
+    env = os.environ if environ is None else environ
+    where = "<spec>"
+    if source is None:
+        where = SPEC_ENV
+        if not env.get(SPEC_ENV):
+            raise WorkerSpecError([f"<spec>: none given; pass --spec PATH or set {SPEC_ENV} to JSON or a path"])
+        source = env[SPEC_ENV]
+    text = os.fspath(source)
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise WorkerSpecError([f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+                                   "; fix the JSON"]) from None
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise WorkerSpecError([f"<spec>: file {text!r} does not exist; pass the path of a .json/.yaml spec"])
+        try:
+            body = path.read_text()
+            data = yaml.safe_load(body) if path.suffix in (".yaml", ".yml") else json.loads(body)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise WorkerSpecError([f"<spec>: {text} is not valid {path.suffix[1:] or 'JSON'} ({e}); fix the file"
+                                   .replace("\n", " ")]) from None
+    return parse_worker_spec(data, environ=env)
