@@ -1,0 +1,27 @@
+"""Launch geometry shared by the Triton kernels in this folder (block sizes, program counts).
+
+Called by the launchers in `kernels/_triton/*.py`; imports only torch and triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def row_block(n_cols: int) -> int:
+    """Power-of-two block covering a row of `n_cols` elements (at least 16)."""
+    return max(16, triton.next_power_of_2(n_cols))
+
+
+def reduction_programs(device: torch.device, n_rows: int) -> int:
+    """How many programs share a reduction over rows (e.g. a weight gradient): a few per SM on CUDA."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_rows, 4 * sms))
+    return max(1, min(n_rows, 4))  # the interpreter runs programs one by one; few programs is fastest
+
+
+def flatten_rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., n) -> contiguous (rows, n)."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
