@@ -1,0 +1,454 @@
+"""JobSpec: the one schema of a training job (`apiVersion: deepfleet/v1`, `kind: TrainingJob`).
+
+The CLI, the REST API, the database, the backend renderers and the controller all validate the same
+model. `parse_job_yaml` is the entry point for user text: it turns YAML into a `JobSpec` or raises
+`SpecError` whose `.errors` are one line each, "<dotted.path>: <problem>; <fix>". The engine section
+(a path or an inline DeepSpeed-style config) is checked with `deepfleet.engine.config.load_config`
+at the job's world size, and its errors are re-pathed under `spec.engine.`.
+
+The JSON schema (`JobSpec.model_json_schema()`, printed by `deepfleet schema`) is a public surface,
+frozen by a snapshot test. Torch-free: this module imports pydantic, yaml and (lazily) the engine's
+torch-free config module only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "deepfleet/v1"
+KIND = "TrainingJob"
+
+# Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
+MAX_NAME_LEN = 40
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Kubernetes-style label keys: an optional DNS prefix and "/", then a name of up to 63 chars.
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Kubernetes resource quantities ("2", "500m", "8Gi", "1.5").
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+FACTORY_REF = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+# The controller sets these for every worker; a job may not override them.
+RESERVED_ENV_PREFIX = "DEEPFLEET_"
+
+Backend = Literal["local", "kubernetes", "azureml"]
+Priority = Literal["low", "normal", "high"]
+
+
+class SpecError(ValueError):
+    """A job spec the user must fix; `.errors` holds one "<path>: <problem>; <fix>" line each."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class _Section(BaseModel):
+    """Base of every spec section: unknown keys are errors, YAML uses camelCase, Python snake_case."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        alias_generator=to_camel,
+        frozen=True,
+        use_attribute_docstrings=True,  # the field docstrings become the JSON schema's descriptions
+    )
+
+
+class Metadata(_Section):
+    name: Annotated[str, Field(max_length=MAX_NAME_LEN, pattern=DNS_LABEL)]
+    """Job name: a DNS-1123 label (lowercase letters, digits, '-') of at most 40 characters."""
+    project: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)]
+    """The project that owns the job; API tokens are bound to one project."""
+    labels: dict[str, str] = {}
+    """Free-form key/value labels (Kubernetes label syntax); `deepfleet ls --label k=v` filters on them."""
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_are_kubernetes_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if not LABEL_KEY.match(key):
+                raise ValueError(f"label key {key!r} is not a valid label name; use letters, digits, '-', '_', '.'")
+            if not LABEL_VALUE.match(value):
+                raise ValueError(f"label {key}={value!r}: value must be <= 63 letters, digits, '-', '_', '.'")
+        return labels
+
+
+class ElasticNodes(_Section):
+    min: Annotated[int, Field(ge=1)]
+    """Fewest nodes the job may run on (it shrinks and reshards down to this)."""
+    max: Annotated[int, Field(ge=1)]
+    """Most nodes the job asks for."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticNodes:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max}); set min <= max")
+        return self
+
+
+class Resources(_Section):
+    cpu: Annotated[str | None, Field(pattern=QUANTITY)] = None
+    """CPU per node as a Kubernetes quantity ("2", "500m")."""
+    memory: Annotated[str | None, Field(pattern=QUANTITY)] = None
+    """Memory per node as a Kubernetes quantity ("8Gi")."""
+    gpu: Annotated[int, Field(ge=0)] = 0
+    """GPUs per node."""
+    gpu_type: str | None = None
+    """Accelerator type (a node label value on Kubernetes, a VM size hint on Azure ML)."""
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _numbers_are_quantities(cls, value: Any) -> Any:
+        # YAML reads `cpu: 2` as an int; a quantity is the same thing written as a string.
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        return value
+
+
+class ScriptEntrypoint(_Section):
+    script: Annotated[str, Field(min_length=1)]
+    """Path of a Python training script, run under torchrun in every process."""
+    args: list[str] = []
+    """Command-line arguments passed to the script."""
+
+
+class FactoryEntrypoint(_Section):
+    factory: Annotated[str, Field(pattern=FACTORY_REF)]
+    """"package.module:callable" returning the model, data and config for the managed training loop."""
+    args: list[str] = []
+    """Arguments passed to the factory."""
+
+
+def _entrypoint_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        if "script" in value:
+            return "script"
+        if "factory" in value:
+            return "factory"
+        return None
+    return "script" if isinstance(value, ScriptEntrypoint) else "factory" if isinstance(value, FactoryEntrypoint) else None
+
+
+Entrypoint = Annotated[
+    Annotated[ScriptEntrypoint, Tag("script")] | Annotated[FactoryEntrypoint, Tag("factory")],
+    Discriminator(
+        _entrypoint_kind,
+        custom_error_type="entrypoint_kind",
+        custom_error_message="give either {script: path, args: [...]} or {factory: 'pkg.mod:callable', args: [...]}",
+    ),
+]
+
+
+def _nodes_kind(value: Any) -> str:
+    return "elastic" if isinstance(value, dict | ElasticNodes) else "fixed"
+
+
+def _engine_kind(value: Any) -> str | None:
+    if value is None:
+        return "none"
+    return "path" if isinstance(value, str) else "inline" if isinstance(value, dict) else None
+
+
+class Checkpoint(_Section):
+    dir: Annotated[str, Field(min_length=1)]
+    """Checkpoint directory (a shared path or mounted volume); the job resumes from its `latest` tag."""
+    every_steps: Annotated[int | None, Field(ge=1)] = None
+    """Save every N optimizer steps; null saves only on preemption and at the end."""
+    keep_last: Annotated[int | None, Field(ge=1)] = None
+    """Keep only the newest N complete checkpoints; null keeps all."""
+
+
+class RestartPolicy(_Section):
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    """Restarts allowed for retryable failures (preemptions do not count against it)."""
+    backoff_seconds: Annotated[float, Field(ge=0)] = 5.0
+    """Wait before a new attempt; doubles on each consecutive failure."""
+
+
+class Toleration(_Section):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class KubernetesOptions(_Section):
+    namespace: Annotated[str | None, Field(max_length=63, pattern=DNS_LABEL)] = None
+    """Namespace for the job's pods and service; null uses the controller's namespace."""
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+    image_pull_secrets: list[str] = []
+    shm_size: Annotated[str | None, Field(pattern=QUANTITY)] = None
+    """Size of the /dev/shm memory volume (NCCL and dataloader workers need more than the 64Mi default)."""
+    kueue_queue: str | None = None
+    """Kueue LocalQueue name; when set, admission is left to Kueue."""
+    termination_grace_period_seconds: Annotated[int | None, Field(ge=0)] = None
+    """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
+
+
+class AzureMLOptions(_Section):
+    compute: Annotated[str, Field(min_length=1)]
+    """Name of the Azure ML compute cluster."""
+    experiment_name: str | None = None
+    """Experiment to file the run under; null uses the project name."""
+    environment: str | None = None
+    """Registered environment ("name:version" or "azureml:name@latest"); null builds one from `image`."""
+
+
+class TrainingSpec(_Section):
+    backend: Backend = "local"
+    """Where the job runs: local processes, a Kubernetes cluster or Azure ML."""
+    image: str | None = None
+    """Worker container image; required by kubernetes and azureml, ignored by local."""
+    nodes: Annotated[
+        Annotated[Annotated[int, Field(ge=1)], Tag("fixed")] | Annotated[ElasticNodes, Tag("elastic")],
+        Discriminator(_nodes_kind),
+    ] = 1
+    """Number of nodes, or {min, max} for an elastic job."""
+    processes_per_node: Annotated[int, Field(ge=1)] = 1
+    """Training processes per node (GPUs per node on real clusters)."""
+    resources: Resources = Resources()
+    entrypoint: Entrypoint
+    engine: Annotated[
+        Annotated[str, Tag("path")] | Annotated[dict[str, Any], Tag("inline")] | Annotated[None, Tag("none")],
+        Discriminator(
+            _engine_kind,
+            custom_error_type="engine_kind",
+            custom_error_message="give a path to a JSON/YAML config file or the config inline as a mapping",
+        ),
+    ] = None
+    """Engine config: a path to a DeepSpeed-style JSON/YAML file or the config inline; null uses defaults."""
+    checkpoint: Checkpoint | None = None
+    restart_policy: RestartPolicy = RestartPolicy()
+    priority: Priority = "normal"
+    """Admission order inside a queue."""
+    queue: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)] = "default"
+    """Queue whose quota the job counts against."""
+    env: dict[str, str] = {}
+    """Extra environment variables for every worker process."""
+    kubernetes: KubernetesOptions | None = None
+    azureml: AzureMLOptions | None = None
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _scalars_are_strings(cls, env: Any) -> Any:
+        # YAML reads `KEY: 1` or `KEY: true` as numbers and booleans; the environment holds strings.
+        if isinstance(env, dict):
+            return {k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, int | float) else v
+                    for k, v in env.items()}
+        return env
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid environment variable name; use letters, digits and '_'")
+            if name.startswith(RESERVED_ENV_PREFIX):
+                raise ValueError(f"{name} is set by deepfleet for every worker; drop it or rename it")
+        return env
+
+    @model_validator(mode="after")
+    def _backend_sections_match(self) -> TrainingSpec:
+        problems = []
+        if self.backend in ("kubernetes", "azureml") and not self.image:
+            problems.append(f"image: required for backend {self.backend}; set spec.image to the worker image")
+        if self.kubernetes is not None and self.backend != "kubernetes":
+            problems.append("kubernetes: only applies to backend kubernetes; remove spec.kubernetes "
+                            "or set spec.backend: kubernetes")
+        if self.azureml is not None and self.backend != "azureml":
+            problems.append("azureml: only applies to backend azureml; remove spec.azureml "
+                            "or set spec.backend: azureml")
+        if self.backend == "azureml" and self.azureml is None:
+            problems.append("azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
+        if problems:
+            # One line per field, each "<field>: <problem>"; _format_error puts them under this section's path.
+            raise ValueError(_FIELD_LINES + "\n".join(problems))
+        return self
+
+
+class JobSpec(_Section):
+    """A training job as the user submits it (`apiVersion: deepfleet/v1`, `kind: TrainingJob`)."""
+
+    model_config = ConfigDict(title="TrainingJob")
+
+    api_version: Literal["deepfleet/v1"]
+    kind: Literal["TrainingJob"]
+    metadata: Metadata
+    spec: TrainingSpec
+
+    def to_document(self) -> dict[str, Any]:
+        """The spec as the YAML/JSON document a user writes (camelCase keys, unset options omitted)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def node_bounds(spec: JobSpec) -> tuple[int, int]:
+    """(min, max) nodes; equal for a fixed-size job."""
+    nodes = spec.spec.nodes
+    return (nodes.min, nodes.max) if isinstance(nodes, ElasticNodes) else (nodes, nodes)
+
+
+def job_world_size(spec: JobSpec) -> int:
+    """Total training processes at the job's full size (max nodes for an elastic job)."""
+    return node_bounds(spec)[1] * spec.spec.processes_per_node
+
+
+# Marks a cross-field error whose message holds "<field>: <problem>" lines relative to the section.
+_FIELD_LINES = "fields:\n"
+
+# Union fields and the branch tags pydantic adds to an error's location; the user wrote no such key.
+_UNION_TAGS = {"entrypoint": {"script", "factory"}, "nodes": {"fixed", "elastic"}, "engine": {"path", "inline", "none"}}
+
+_PATTERN_HINTS = {
+    DNS_LABEL: "must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending alphanumeric",
+    QUANTITY: "must be a Kubernetes quantity such as \"2\", \"500m\" or \"8Gi\"",
+    FACTORY_REF: "must name a callable as 'package.module:function'",
+}
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    previous: int | str | None = None
+    for item in loc:
+        if isinstance(previous, str) and item in _UNION_TAGS.get(previous, ()):
+            previous = item
+            continue
+        previous = item
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or "(document)"
+
+
+def _format_errors(err: dict[str, Any]) -> list[str]:
+    msg = err["msg"].removeprefix("Value error, ")
+    if msg.startswith(_FIELD_LINES):
+        path = _format_loc(tuple(err["loc"]))
+        prefix = "" if path == "(document)" else path + "."
+        return [prefix + line for line in msg.removeprefix(_FIELD_LINES).splitlines()]
+    return [_format_error(err)]
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    path = _format_loc(tuple(err["loc"]))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{path}: unknown field; remove it (check the spelling against `deepfleet schema`)"
+    if kind == "missing":
+        return f"{path}: required field is missing; add it"
+    if kind == "string_pattern_mismatch":
+        hint = _PATTERN_HINTS.get(err.get("ctx", {}).get("pattern"), err["msg"])
+        return f"{path}: {hint}; got {err.get('input')!r}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind.endswith("_kind") or kind == "value_error":
+        return f"{path}: {msg}"
+    return f"{path}: {msg}; got {err.get('input')!r}"
+
+
+def _errors_from(exc: ValidationError) -> list[str]:
+    # A union field (nodes, engine) reports one error per branch; keep them all, but only once each.
+    seen: list[str] = []
+    for err in exc.errors():
+        for line in _format_errors(err):
+            if line not in seen:
+                seen.append(line)
+    return seen
+
+
+def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
+    """Check the engine config at the job's world sizes; errors re-pathed under spec.engine."""
+    engine = spec.spec.engine
+    if engine is None:
+        return []
+    source: str | Path | dict[str, Any] = engine
+    if isinstance(engine, str):
+        path = Path(engine).expanduser()
+        if not path.is_absolute():
+            path = (base_dir or Path.cwd()) / path
+        if not path.is_file():
+            return [f"spec.engine: file {engine!r} not found (looked at {path}); give an existing path "
+                    "or put the config inline"]
+        source = path
+    from deepfleet.engine.config import ConfigError, load_config
+
+    low, high = node_bounds(spec)
+    per_node = spec.spec.processes_per_node
+    errors: list[str] = []
+    # An elastic job must be valid at every size it may run at; its two bounds are the extremes.
+    for world_size in sorted({low * per_node, high * per_node}):
+        try:
+            load_config(source, world_size=world_size)
+        except ConfigError as e:
+            suffix = f" (at world size {world_size})" if low != high else ""
+            errors.extend(f"spec.engine.{line}{suffix}" for line in e.errors if f"spec.engine.{line}" not in errors)
+            break
+    return errors
+
+
+def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
+    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError."""
+    if not isinstance(document, dict):
+        raise SpecError([f"(document): expected a mapping with apiVersion, kind, metadata, spec; "
+                         f"got {type(document).__name__}"])
+    try:
+        spec = JobSpec.model_validate(document)
+    except ValidationError as e:
+        raise SpecError(_errors_from(e)) from None
+    errors = _validate_engine(spec, base_dir=base_dir)
+    if errors:
+        raise SpecError(errors)
+    return spec
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML keeps the last one silently)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}; keep one of them", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def parse_job_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
+    """Parse a YAML (or JSON) job document; raises SpecError with one line per problem.
+
+    A relative `spec.engine` path resolves against `base_dir` (default: the working directory).
+    """
+    try:
+        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError([f"(document): malformed YAML{where}: {problem}; fix the syntax"]) from None
+    return validate_job(document, base_dir=base_dir)
