@@ -1,0 +1,279 @@
+"""The local backend: every node of a run is a `deepfleet-worker` subprocess on this machine.
+
+Called by `controller.reconciler` through the `Backend` protocol (and by `controller.demo` through the
+server). Each node runs in its own process group (`start_new_session`) under a one-line `sh` wrapper
+that writes the node's exit status to `node-<i>.exit` when it ends, so the status survives the
+controller: a restarted controller reads it from disk instead of needing to be the parent. A run's
+directory `<logs_dir>/<name>/` holds `state.json` (pids, rendezvous port), `node-<i>.log` and
+`node-<i>.exit`. The nodes meet at a real c10d rendezvous store on 127.0.0.1 and a free port.
+
+Cancel sends SIGTERM to every node's process group and to every process whose environment carries
+`DEEPFLEET_LOCAL_RUN=<name>` (torchrun's elastic agent starts its training processes in new
+sessions, so a process group alone does not reach them), waits a grace period, then SIGKILLs what
+is left. Hand-written on `subprocess`/`os` because no library manages detached, restart-surviving
+process groups with recorded exit codes (supervisord/systemd are daemons, not libraries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from deepfleet.controller.backends.base import BackendError, Observation, RunPhase, Submission
+from deepfleet.worker.spec import SPEC_ENV, FailureClass, classify_exit
+
+RUN_ENV = "DEEPFLEET_LOCAL_RUN"
+# Runs the worker, then records its exit status (128+N for a signal, as the shell reports it).
+_WRAPPER = 'rc=0; "$@" || rc=$?; printf "%s" "$rc" > "$DF_EXIT_FILE.tmp"; mv "$DF_EXIT_FILE.tmp" "$DF_EXIT_FILE"; exit $rc'
+_SIGKILLED = 128 + signal.SIGKILL
+
+
+def default_worker_command() -> list[str]:
+    """The `deepfleet-worker` console script next to this interpreter (falls back to PATH)."""
+    beside = Path(sys.executable).with_name("deepfleet-worker")
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("deepfleet-worker")
+    return [found] if found else [sys.executable, "-m", "deepfleet.worker.cli"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _marked(name: str) -> list[int]:
+    """Pids of this user's processes whose environment has DEEPFLEET_LOCAL_RUN=<name>."""
+    needle = f"{RUN_ENV}={name}\0".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes() + b"\0":
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+class LocalBackend:
+    """Runs jobs as local processes. `slots`: how many training processes may run at once (capacity)."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        logs_dir: Path,
+        *,
+        slots: int = 4,
+        workdir: Path | None = None,
+        worker_command: list[str] | None = None,
+        cancel_grace_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.logs_dir = Path(logs_dir)
+        self.slots = slots
+        self.workdir = Path(workdir) if workdir else Path.cwd()
+        self.worker_command = worker_command or default_worker_command()
+        self.cancel_grace_s = cancel_grace_s
+        self._clock = clock
+        self._sleep = sleep
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    # ------------------------------------------------------------------ paths and state
+    def run_dir(self, name: str) -> Path:
+        return self.logs_dir / name
+
+    def log_path(self, name: str, node: int) -> Path:
+        return self.run_dir(name) / f"node-{node}.log"
+
+    def _state(self, name: str) -> dict | None:
+        try:
+            return json.loads((self.run_dir(name) / "state.json").read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as e:
+            raise BackendError(f"local run {name}: unreadable state.json ({e})") from e
+
+    def _write_state(self, name: str, state: dict) -> None:
+        path = self.run_dir(name) / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ Backend protocol
+    def submit(self, sub: Submission) -> None:
+        """Start one process per node. Idempotent: a complete run of that name is left alone; a run
+        whose start was interrupted (controller crash mid-submit) is cleaned up and started again."""
+        state = self._state(sub.name)
+        if state is not None and state.get("complete"):
+            return
+        if state is not None:
+            self._kill(sub.name, state)
+        nodes = sub.worker_spec.nodes.max
+        port = free_port()
+        ws = sub.worker_spec.model_copy(
+            update={"rendezvous": sub.worker_spec.rendezvous.model_copy(update={"endpoint": f"127.0.0.1:{port}"})}
+        )
+        run = self.run_dir(sub.name)
+        run.mkdir(parents=True, exist_ok=True)
+        for stale in run.glob("node-*.exit"):
+            stale.unlink()
+        state = {"name": sub.name, "job_id": sub.job_id, "attempt": sub.attempt, "nodes": nodes, "port": port,
+                 "pids": [], "complete": False}
+        self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
+        base = {**os.environ, **sub.env, SPEC_ENV: json.dumps(ws.model_dump(mode="json")), RUN_ENV: sub.name}
+        try:
+            for node in range(nodes):
+                env = {
+                    **base,
+                    "DEEPFLEET_NODE_RANK": str(node),
+                    "DEEPFLEET_NNODES": str(nodes),
+                    "DEEPFLEET_MASTER_ADDR": "127.0.0.1",
+                    "DEEPFLEET_MASTER_PORT": str(port),
+                    "DF_EXIT_FILE": str(run / f"node-{node}.exit"),
+                }
+                with open(self.log_path(sub.name, node), "ab") as log:
+                    proc = subprocess.Popen(
+                        ["/bin/sh", "-c", _WRAPPER, "sh", *self.worker_command],
+                        env=env,
+                        cwd=self.workdir,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # own process group: cancel is one killpg per node
+                    )
+                self._children[proc.pid] = proc
+                state["pids"].append(proc.pid)
+                self._write_state(sub.name, state)
+        except OSError as e:
+            self._kill(sub.name, state)
+            raise BackendError(f"local run {sub.name}: cannot start {self.worker_command[0]} ({e})",
+                               transient=False) from e
+        state["complete"] = True
+        self._write_state(sub.name, state)
+
+    def observe(self, name: str) -> Observation:
+        """FAILED as soon as any node exits non-zero (classified by the earliest failure), SUCCEEDED
+        when every node exited 0, RUNNING otherwise."""
+        state = self._state(name)
+        if state is None:
+            return Observation(RunPhase.NOT_FOUND, message=f"no local run {name}")
+        if not state.get("complete"):
+            return Observation(RunPhase.PENDING, message="starting")
+        run = self.run_dir(name)
+        codes: dict[int, int] = {}
+        failed_at: dict[int, float] = {}
+        for node, pid in enumerate(state["pids"]):
+            self._reap(pid)
+            exit_file = run / f"node-{node}.exit"
+            if exit_file.exists():
+                codes[node] = int(exit_file.read_text().strip() or _SIGKILLED)
+                failed_at[node] = exit_file.stat().st_mtime
+            elif not _alive(pid):
+                codes[node] = _SIGKILLED  # the wrapper itself was killed before it could record
+                failed_at[node] = 0.0
+        bad = {n: c for n, c in codes.items() if c != 0}
+        if bad:
+            first = min(bad, key=lambda n: (failed_at[n], n))
+            tail = "".join(self._tail(name, first, 50))
+            fc = classify_exit(bad[first], log_tail=tail)
+            return Observation(RunPhase.FAILED, exit_codes=codes, failure_class=fc,
+                               message=f"node {first} exited {bad[first]} ({fc.value})")
+        if len(codes) == state["nodes"]:
+            return Observation(RunPhase.SUCCEEDED, exit_codes=codes, failure_class=FailureClass.SUCCEEDED)
+        return Observation(RunPhase.RUNNING, exit_codes=codes)
+
+    def cancel(self, name: str) -> None:
+        """Stop every process of the run (SIGTERM, then SIGKILL after the grace period) and forget it;
+        its logs stay. Idempotent."""
+        state = self._state(name)
+        if state is None:
+            return
+        self._kill(name, state)
+        (self.run_dir(name) / "state.json").unlink(missing_ok=True)
+
+    def logs(self, name: str, *, node: int = 0, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+        path = self.log_path(name, node)
+        if not path.exists():
+            raise BackendError(f"local run {name} has no log for node {node}", transient=False)
+        if not follow:
+            yield from self._tail(name, node, tail)
+            return
+        with open(path, errors="replace") as f:
+            lines = f.readlines()
+            yield from lines[-tail:] if tail is not None else lines
+            while True:
+                line = f.readline()
+                if line:
+                    yield line
+                    continue
+                if self.observe(name).phase not in (RunPhase.RUNNING, RunPhase.PENDING):
+                    yield from f.readlines()
+                    return
+                self._sleep(0.2)
+
+    # ------------------------------------------------------------------ helpers
+    def _tail(self, name: str, node: int, n: int | None) -> list[str]:
+        try:
+            lines = self.log_path(name, node).read_text(errors="replace").splitlines(keepends=True)
+        except FileNotFoundError:
+            return []
+        return lines[-n:] if n is not None else lines
+
+    def _reap(self, pid: int) -> None:
+        proc = self._children.get(pid)
+        if proc is not None and proc.poll() is not None:
+            del self._children[pid]
+
+    def _kill(self, name: str, state: dict) -> None:
+        def targets() -> set[int]:
+            return {p for p in [*state.get("pids", []), *_marked(name)] if _alive(p)}
+
+        self._signal(state.get("pids", []), targets(), signal.SIGTERM)
+        deadline = self._clock() + self.cancel_grace_s
+        while targets() and self._clock() < deadline:
+            self._sleep(0.05)
+            for pid in state.get("pids", []):
+                self._reap(pid)
+        left = targets()
+        if left:
+            self._signal(state.get("pids", []), left, signal.SIGKILL)
+        for pid in state.get("pids", []):
+            proc = self._children.pop(pid, None)
+            if proc is not None:
+                proc.wait(timeout=5)
+
+    @staticmethod
+    def _signal(leaders: list[int], pids: set[int], sig: signal.Signals) -> None:
+        for pid in leaders:
+            try:
+                os.killpg(pid, sig)  # each node leads its own group (start_new_session)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -1,0 +1,75 @@
+"""A stand-in for `deepfleet-worker` in controller tests: same inputs (DEEPFLEET_WORKER_SPEC and the
+worker environment), same outputs (log lines, heartbeats to the controller, checkpoints with a
+COMPLETE marker and `latest`, the exit-code contract), without torch, so a test runs in a second.
+
+Behaviour comes from the spec's entrypoint args (so a job spec drives it):
+  --steps N        optimizer steps to "train" (default 5)        --step-s S   seconds per step (0.05)
+  --exit CODE      exit status after the last step (default 0)
+  --fail-node I --fail-attempt A --fail-code C --fail-at-step K   node I of attempt A exits C at step K
+  --child          start a grandchild in a new session (like torchrun's training processes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from deepfleet.worker.spec import load_worker_spec
+
+
+def main() -> int:
+    spec = load_worker_spec()
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--exit", type=int, default=0)
+    p.add_argument("--fail-node", type=int, default=-1)
+    p.add_argument("--fail-attempt", type=int, default=0)
+    p.add_argument("--fail-code", type=int, default=76)
+    p.add_argument("--fail-at-step", type=int, default=2)
+    p.add_argument("--child", action="store_true")
+    args = p.parse_args(spec.entrypoint.args)
+    node = int(os.environ.get("DEEPFLEET_NODE_RANK", "0"))
+    print(f"fake worker node {node} attempt {spec.attempt} rendezvous {spec.rendezvous.endpoint}", flush=True)
+    if args.child:
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    ckpt = Path(spec.checkpoint.dir) if spec.checkpoint.dir else None
+    start = 0
+    if ckpt is not None and (ckpt / "latest").exists():
+        start = int((ckpt / "latest").read_text().removeprefix("global_step"))
+        print(f"resuming from global_step{start}", flush=True)
+    for step in range(start + 1, args.steps + 1):
+        time.sleep(args.step_s)
+        if node == args.fail_node and spec.attempt == args.fail_attempt and step == args.fail_at_step:
+            print(f"node {node} failing with {args.fail_code}", flush=True)
+            return args.fail_code
+        print(f"step {step} loss {1.0 / step:.4f}", flush=True)
+        if node == 0 and ckpt is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+            tag = ckpt / f"global_step{step}"
+            tag.mkdir(parents=True, exist_ok=True)
+            (tag / "COMPLETE").write_text("")
+            (ckpt / "latest.tmp").write_text(tag.name)
+            os.replace(ckpt / "latest.tmp", ckpt / "latest")
+        if node == 0 and spec.heartbeat.url:
+            body = {"step": step, "loss": 1.0 / step, "tokens_per_s": 1000.0 + step,
+                    "last_complete_checkpoint": (ckpt / "latest").read_text() if ckpt and (ckpt / "latest").exists()
+                    else None}
+            req = urllib.request.Request(spec.heartbeat.url, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {spec.heartbeat.token}"})
+            try:
+                urllib.request.urlopen(req, timeout=2).close()
+            except OSError as e:  # heartbeats are best effort, like the real worker's
+                print(f"heartbeat failed: {e}", flush=True)
+    print("done", flush=True)
+    return args.exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

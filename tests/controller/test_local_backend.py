@@ -1,0 +1,104 @@
+"""The local backend with real subprocesses (the fake worker): start, observe, fail, cancel, restart-safety."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from deepfleet.controller.backends.base import Backend, RunPhase
+from deepfleet.controller.backends.local import LocalBackend, _alive, _marked
+from deepfleet.controller.compile import compile_submission
+from deepfleet.worker.spec import FailureClass
+
+from tests.controller.jobspecs import FAKE_WORKER, job_spec
+
+
+def backend(tmp_path: Path) -> LocalBackend:
+    return LocalBackend(tmp_path / "logs", slots=4, workdir=tmp_path, worker_command=FAKE_WORKER, cancel_grace_s=2)
+
+
+def submission(name: str, args: list[str], *, attempt: int = 0, **kw):
+    return compile_submission(job_spec(name, args=args, **kw), job_id="0123456789abcdef", attempt=attempt,
+                              controller_url="http://127.0.0.1:9", secret="s")
+
+
+def wait_for(be: LocalBackend, name: str, phases: set[RunPhase], timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        obs = be.observe(name)
+        if obs.phase in phases:
+            return obs
+        time.sleep(0.05)
+    raise AssertionError(f"{name} never reached {phases}; last {obs}")
+
+
+def test_two_nodes_run_to_success_with_logs_per_node(tmp_path: Path) -> None:
+    be = backend(tmp_path)
+    assert isinstance(be, Backend)
+    sub = submission("ok", ["--steps", "3"])
+    assert sub.name == "df-ok-01234567-a0"
+    be.submit(sub)
+    be.submit(sub)  # idempotent: no second set of processes
+    obs = wait_for(be, sub.name, {RunPhase.SUCCEEDED, RunPhase.FAILED})
+    assert obs.phase is RunPhase.SUCCEEDED and obs.exit_codes == {0: 0, 1: 0}
+    for node in (0, 1):
+        log = (tmp_path / "logs" / sub.name / f"node-{node}.log").read_text()
+        assert log.count(f"fake worker node {node} attempt 0 rendezvous 127.0.0.1:") == 1
+        assert "done" in log
+    assert list(be.logs(sub.name, node=1, tail=1)) == ["done\n"]
+
+
+@pytest.mark.parametrize(("code", "fc"), [(76, FailureClass.COMM_FAILURE), (77, FailureClass.OOM),
+                                          (64, FailureClass.INVALID_SPEC), (137, FailureClass.NODE_LOST)])
+def test_a_failing_node_fails_the_run_with_its_class(tmp_path: Path, code: int, fc: FailureClass) -> None:
+    be = backend(tmp_path)
+    sub = submission("bad", ["--steps", "50", "--fail-node", "1", "--fail-code", str(code), "--fail-at-step", "1"])
+    be.submit(sub)
+    obs = wait_for(be, sub.name, {RunPhase.FAILED, RunPhase.SUCCEEDED})
+    assert obs.phase is RunPhase.FAILED and obs.failure_class is fc and obs.exit_codes[1] == code
+    assert "node 1 exited" in obs.message
+    be.cancel(sub.name)
+
+
+def test_cancel_kills_every_process_including_new_session_children(tmp_path: Path) -> None:
+    be = backend(tmp_path)
+    sub = submission("long", ["--steps", "1000", "--step-s", "0.1", "--child"])
+    be.submit(sub)
+    wait_for(be, sub.name, {RunPhase.RUNNING})
+    deadline = time.monotonic() + 10
+    while len(_marked(sub.name)) < 4 and time.monotonic() < deadline:  # 2 wrappers + 2 workers + 2 children
+        time.sleep(0.05)
+    pids = _marked(sub.name)
+    assert len(pids) >= 4
+    be.cancel(sub.name)
+    assert [p for p in pids if _alive(p)] == []
+    assert be.observe(sub.name).phase is RunPhase.NOT_FOUND
+    be.cancel(sub.name)  # idempotent
+
+
+def test_a_new_backend_instance_observes_and_cancels_runs_of_a_previous_one(tmp_path: Path) -> None:
+    first = backend(tmp_path)
+    sub = submission("survive", ["--steps", "1000", "--step-s", "0.1"])
+    first.submit(sub)
+    wait_for(first, sub.name, {RunPhase.RUNNING})
+    second = backend(tmp_path)  # a restarted controller: not the parent of these processes
+    assert second.observe(sub.name).phase is RunPhase.RUNNING
+    second.submit(sub)  # idempotent across instances too
+    pids = _marked(sub.name)
+    second.cancel(sub.name)
+    for proc in first._children.values():  # the old instance is still the parent: reap
+        proc.wait(timeout=5)
+    assert [p for p in pids if _alive(p)] == []
+
+
+def test_exit_status_survives_the_controller(tmp_path: Path) -> None:
+    first = backend(tmp_path)
+    sub = submission("fin", ["--steps", "1", "--exit", "65"])
+    first.submit(sub)
+    wait_for(first, sub.name, {RunPhase.FAILED})
+    assert backend(tmp_path).observe(sub.name).failure_class is FailureClass.USER_ERROR
+
+
+def test_unknown_run_is_not_found(tmp_path: Path) -> None:
+    assert backend(tmp_path).observe("df-nope-00000000-a0").phase is RunPhase.NOT_FOUND
