@@ -1,0 +1,206 @@
+"""`save_checkpoint(engine, dir)` / `load_checkpoint(engine, dir)`: what the engine's methods call.
+
+`DeepFleetEngine.save_checkpoint/load_checkpoint` delegate here (lazily, so the engine imports DCP
+only when it checkpoints). Return values follow DeepSpeed: save returns True; load returns
+`(path, client_state)`, or `(None, None)` when the directory holds no complete checkpoint.
+
+What this reads from the engine (duck-typed, so the engine never needs a checkpoint-specific API):
+- `engine.sharding`: the ZeroStrategy; its `state_dict()` / `load_state_dict()` carry model and
+  optimizer state in DCP's format (sharded DTensors or plain tensors, keyed by the model's FQNs);
+- `engine.global_steps`, `engine.micro_steps` (ints, restored on load), `engine.global_samples` if present;
+- `engine.lr_scheduler`, `engine.precision` (loss scaler), `engine.training_dataloader`: each
+  optional, saved through its `state_dict()` and restored through `load_state_dict()`. The data
+  loader's state must be world-size independent (global samples consumed, epoch, seed) so a resume at
+  another world size with the same global batch continues with the same batches;
+- `engine.config`: `zero_optimization.stage` and a hash of the config, recorded in the manifest.
+
+Loading reshards to the current world size and ZeRO stage with no offline step (DCP maps between
+layouts); a checkpoint that does not fit raises CheckpointError before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import weakref
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepfleet.engine.checkpoint import layout
+from deepfleet.engine.checkpoint.io import StepReader, StepWriter
+from deepfleet.engine.checkpoint.layout import CheckpointError
+from deepfleet.engine.checkpoint.state import capture_rng, derived_rng_seed, restore_rng, seed_all
+
+log = logging.getLogger(__name__)
+
+# One writer per engine (it owns a process group and the in-flight async save); dropped with the engine.
+_WRITERS: weakref.WeakKeyDictionary[Any, StepWriter] = weakref.WeakKeyDictionary()
+
+_OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader")
+
+
+def writer_for(engine: Any) -> StepWriter:
+    """The engine's checkpoint writer, created on first use (a collective: every rank calls save)."""
+    writer = _WRITERS.get(engine)
+    if writer is None:
+        writer = _WRITERS[engine] = StepWriter()
+    return writer
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | Path,
+    *,
+    tag: str | None = None,
+    client_state: dict | None = None,
+    save_latest: bool = True,
+    async_save: bool = False,
+    keep_last: int | None = None,
+) -> bool:
+    """Save the engine's full training state under `<save_dir>/<tag>/` (tag defaults to global_step<N>).
+
+    Every rank must call it. With `async_save`, it returns once the state is staged in memory and the
+    shards are written while training continues; the directory becomes loadable (COMPLETE) when done,
+    and the next save or load waits for it. `keep_last` deletes older complete checkpoints beyond that
+    count. Raises CheckpointError for a bad tag or a failed write.
+    """
+    tag = layout.validate_tag(tag if tag is not None else layout.default_tag(int(engine.global_steps)))
+    writer = writer_for(engine)
+    shared = {
+        "global_steps": int(engine.global_steps),
+        "micro_steps": int(engine.micro_steps),
+        "global_samples": int(getattr(engine, "global_samples", 0) or 0),
+        "client_state": client_state if client_state is not None else {},
+    }
+    for name in _OPTIONAL_STATEFUL:
+        obj = getattr(engine, name, None)
+        if obj is not None and hasattr(obj, "state_dict"):
+            shared[name] = obj.state_dict()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    writer.save(
+        Path(save_dir) / tag,
+        tensors=engine.sharding.state_dict(),
+        rank_state={"rank": _rank(), "world_size": world, "rng": capture_rng()},
+        shared_state=shared,
+        manifest_fields={
+            "global_steps": int(engine.global_steps),
+            "micro_steps": int(engine.micro_steps),
+            "world_size": world,
+            "zero_stage": _zero_stage(engine),
+            "config_hash": config_hash(getattr(engine, "config", None)),
+            "deepfleet_version": _version("deepfleet"),
+            "torch_version": torch.__version__,
+        },
+        async_save=async_save,
+        keep_last=keep_last,
+        update_latest=save_latest,
+    )
+    return True
+
+
+def wait_for_checkpoint(engine: Any) -> None:
+    """Block until the engine's in-flight async save is complete (re-raising its error, if any)."""
+    writer = _WRITERS.get(engine)
+    if writer is not None:
+        writer.wait()
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | Path,
+    *,
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, dict | None]:
+    """Restore the engine from `<load_dir>/<tag>` (default: the newest complete checkpoint).
+
+    Returns `(step_dir, client_state)`, or `(None, None)` when there is nothing to load. A given `tag`
+    must name a complete checkpoint. Raises CheckpointError for an interrupted, corrupted, too-new or
+    mismatched checkpoint, on every rank, before any state is changed.
+    """
+    wait_for_checkpoint(engine)
+    root = Path(load_dir)
+    if tag is None:
+        tag = layout.find_latest_complete(root)
+        if tag is None:
+            log.info("no complete checkpoint under %s; starting from scratch", root)
+            return None, None
+    step_dir = root / layout.validate_tag(tag)
+    if not step_dir.is_dir():
+        raise CheckpointError(f"{step_dir}: no such checkpoint directory")
+    reader = StepReader(step_dir, group=writer_for(engine).group)
+    reader.verify()
+
+    with_optim = load_optimizer_states and not load_module_only
+    state = engine.sharding.state_dict()
+    wanted = state if with_optim else {"model": state["model"]}
+    reader.check_shapes(wanted)
+    shared = reader.shared_state()
+    reader.load_tensors(wanted)
+    engine.sharding.load_state_dict(state)
+
+    rank = _rank()
+    if not load_module_only:
+        engine.global_steps = int(shared["global_steps"])
+        engine.micro_steps = int(shared["micro_steps"])
+        if hasattr(engine, "global_samples"):
+            engine.global_samples = int(shared.get("global_samples", 0))
+        skip = set() if load_lr_scheduler_states else {"lr_scheduler"}
+        for name in _OPTIONAL_STATEFUL:
+            obj = getattr(engine, name, None)
+            if name in skip or obj is None or not hasattr(obj, "load_state_dict"):
+                continue
+            if name not in shared:
+                raise CheckpointError(f"{step_dir}: has no saved {name} state, but the engine has one")
+            obj.load_state_dict(shared[name])
+        _restore_rank_rng(reader, rank=rank)
+    log.info("loaded checkpoint %s (saved at world size %d)", step_dir, reader.manifest.world_size)
+    return str(step_dir), shared.get("client_state", {})
+
+
+def _restore_rank_rng(reader: StepReader, *, rank: int) -> None:
+    mine = reader.rank_state(rank)
+    if mine is not None:
+        restore_rng(mine["rng"])
+        return
+    # A rank the saving world did not have: a deterministic stream of its own (see state.py).
+    source = reader.rank_state(0)
+    if source is None:
+        raise CheckpointError(f"{reader.step_dir}: rank 0's state file is missing from the manifest")
+    seed_all(derived_rng_seed(source["rng"], rank=rank))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _zero_stage(engine: Any) -> int | None:
+    zero = getattr(getattr(engine, "config", None), "zero_optimization", None)
+    stage = getattr(zero, "stage", None)
+    return int(stage) if stage is not None else None
+
+
+def config_hash(config: Any) -> str | None:
+    """sha256 of the engine config's JSON (recorded in the manifest for inspection), None without one."""
+    if config is None:
+        return None
+    if hasattr(config, "model_dump"):
+        data = config.model_dump(mode="json")
+    elif isinstance(config, dict):
+        data = config
+    else:
+        return None
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
