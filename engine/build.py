@@ -1,0 +1,143 @@
+"""Composition of the training features, in order: the one place that knows the order.
+
+Called by `engine.initialize`. `build_training(...)` takes the user's model (fp32, on its device), the
+resolved config and the user's optional optimizer/scheduler objects or factories, and returns what the
+engine sequences: the precision policy, the ZeRO strategy, the optimizer and the LR scheduler.
+The stage picks its strategy class from `STRATEGIES`; nothing else here branches on a feature.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from deepfleet.engine.precision import Precision, build_precision
+from deepfleet.engine.zero.base import StrategyFactory, ZeroStrategy
+from torch import nn
+
+# zero_optimization.stage -> the strategy class ("module:Class"), imported only when used.
+STRATEGIES: dict[int, str] = {
+    0: "deepfleet.engine.zero.ddp:DDPStrategy",
+    1: "deepfleet.engine.zero.partitioned:ZeroStage1",
+    2: "deepfleet.engine.zero.partitioned:ZeroStage2",
+    3: "deepfleet.engine.zero.fsdp:FSDPStrategy",
+}
+
+
+@dataclass
+class Training:
+    """What `build_training` returns for the engine to drive."""
+
+    precision: Precision
+    sharding: ZeroStrategy
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any  # a torch LRScheduler, a user scheduler with .step(), or None
+
+
+def strategy_class(stage: int) -> StrategyFactory:
+    """The strategy class for a ZeRO stage."""
+    if stage not in STRATEGIES:
+        raise ValueError(f"zero_optimization.stage: {stage} is not a ZeRO stage; use one of {sorted(STRATEGIES)}")
+    module, name = STRATEGIES[stage].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_training(
+    model: nn.Module,
+    config: Any,
+    *,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    lr_scheduler: Any = None,
+    process_group: Any = None,
+) -> Training:
+    """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order."""
+    _check_one_source("optimizer", config.optimizer, optimizer)
+    _check_one_source("scheduler", config.scheduler, lr_scheduler)
+
+    # 1. Precision first: the strategy needs the compute dtype, and must see the fp32 model so its
+    #    master weights are exact (it casts the model itself, or casts per forward at stage 3).
+    precision = build_precision(config)
+
+    # 2. Param groups are read before sharding: stage 3 replaces the parameters with DTensor shards
+    #    and the strategy maps the user's groups onto them by identity.
+    groups = _param_groups(model, model_parameters, optimizer)
+
+    # 3. The sharding strategy wraps the model (DDP, our partitioning, or FSDP2).
+    sharding = strategy_class(config.zero_optimization.stage)(
+        model,
+        compute_dtype=precision.compute_dtype,
+        zero_config=config.zero_optimization,
+        process_group=process_group,
+    )
+
+    # 4. The optimizer is built over the tensors the strategy updates (masters or shards), never
+    #    over the model's parameters, and the strategy is told about it (state accounting, save/load).
+    opt = _optimizer(optimizer, sharding.optimizer_param_groups(groups), config)
+    sharding.bind_optimizer(opt)
+
+    # 5. The LR schedule last: it records the optimizer's initial learning rates.
+    return Training(precision, sharding, opt, _lr_scheduler(lr_scheduler, opt, config))
+
+
+def _check_one_source(key: str, configured: Any, given: Any) -> None:
+    if configured is not None and given is not None:
+        raise ValueError(
+            f"{key}: set in the config and passed to initialize(); keep one "
+            f"(drop the \"{key}\" section or the {'optimizer' if key == 'optimizer' else 'lr_scheduler'} argument)"
+        )
+
+
+def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> list[dict]:
+    """The user's param groups as a list of dicts with a "params" list (trainable tensors only)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("optimizer: it has already stepped (it holds state); pass a fresh optimizer")
+        source: Any = optimizer.param_groups
+    else:
+        source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if not source:
+        raise ValueError("model_parameters: empty; pass model.parameters() or a list of param groups")
+    if not isinstance(source[0], dict):
+        source = [{"params": source}]
+    groups = []
+    for i, group in enumerate(source):
+        if "params" not in group:
+            raise ValueError(f"model_parameters[{i}]: a param group needs a \"params\" entry")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        groups.append({**group, "params": [p for p in params if p.requires_grad]})
+    return groups
+
+
+def _optimizer(given: Any, groups: list[dict], config: Any) -> torch.optim.Optimizer:
+    if isinstance(given, torch.optim.Optimizer):
+        # Re-point the user's own optimizer at the strategy's tensors, so any scheduler the user
+        # built on it keeps driving the same param-group dicts.
+        for group, mapped in zip(given.param_groups, groups, strict=True):
+            group["params"] = list(mapped["params"])
+        return given
+    if callable(given):
+        return given(groups)
+    if config.optimizer is None:
+        raise ValueError(
+            "optimizer: none configured; add an \"optimizer\" section to the config or pass optimizer= "
+            "(a torch optimizer or a factory taking param groups)"
+        )
+    from deepfleet.engine.optim import build_optimizer
+
+    return build_optimizer(groups, config.optimizer)
+
+
+def _lr_scheduler(given: Any, optimizer: torch.optim.Optimizer, config: Any) -> Any:
+    if given is not None:
+        # A scheduler object is used as is; anything else callable is a factory taking the optimizer.
+        return given if hasattr(given, "step") else given(optimizer)
+    if config.scheduler is None:
+        return None
+    from deepfleet.engine.lr_schedules import build_lr_scheduler
+
+    return build_lr_scheduler(optimizer, config.scheduler)

@@ -1,0 +1,61 @@
+"""Process-group setup for the engine: `init_distributed` (public, DeepSpeed-shaped) and the device
+each rank trains on.
+
+Called by `engine.initialize` (and by user scripts that want the group before building their model).
+torchrun/torch.distributed.elastic exports RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so `env://` is the
+only rendezvous we need; gloo on CPU, nccl when CUDA is present. A plain `python train.py` without
+those variables gets a one-rank gloo group over an in-memory store, so every ZeRO strategy can rely on
+a process group (DDP and FSDP2 require one) without opening a port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def _env_world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Join the process group described by the environment (torchrun's env://).
+
+    A no-op when a group already exists, or when no WORLD_SIZE is set (a single process; see
+    `ensure_process_group`). `dist_backend` defaults to nccl with CUDA, gloo otherwise."""
+    if dist.is_initialized() or _env_world_size() is None:
+        return
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with torchrun or set all of "
+            "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+        )
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+
+
+def ensure_process_group(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+    """`init_distributed()`, then, if still alone, a one-rank gloo group on an in-memory store."""
+    init_distributed(timeout=timeout)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def training_device() -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

@@ -1,0 +1,169 @@
+"""ZeRO stage 0: plain data parallelism on torch's DistributedDataParallel.
+
+Built by `engine/build.py` for `zero_optimization.stage = 0`. Every rank holds full parameters,
+gradients and optimizer state; DDP all-reduces bucketed gradients during backward
+(`gradient_as_bucket_view=True`, so gradients live in the buckets, no second copy). On non-boundary
+micro-steps the engine turns sync off, which DDP reads when the forward starts (the `no_sync` flag).
+
+16-bit training (bf16/fp16) keeps fp32 master weights here, as DeepSpeed does: the model runs in 16 bits,
+the optimizer updates the fp32 masters, and `after_optimizer_step` copies them back. Gradients are
+all-reduced in fp32 by a DDP communication hook (gloo sums bf16 in bf16, which loses low bits: 256 + 1
+stays 256), then unscaled into the masters' fp32 `.grad`.
+
+The state dict is assembled here, not by `get_state_dict`: that helper finds optimizer state through the
+module's own parameters and cannot see fp32 masters, and one path for fp32 and 16-bit is simpler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepfleet.engine.zero.optim_state import fqn_optimizer_state, load_fqn_optimizer_state
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+_MB = 1024 * 1024
+
+
+def _fp32_allreduce_hook(state: tuple[Any, int], bucket: dist.GradBucket) -> torch.futures.Future:
+    """Average a 16-bit gradient bucket in fp32, then store the result back in the bucket's dtype."""
+    group, world_size = state
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float32).div_(world_size)
+    future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+    return future.then(lambda fut: buffer.copy_(fut.value()[0]))
+
+
+class DDPStrategy:
+    """Stage 0 (see module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        compute_dtype: torch.dtype,
+        zero_config: Any,
+        process_group: Any = None,
+    ) -> None:
+        self._model = model
+        self._group = process_group
+        self._world_size = dist.get_world_size(process_group)
+        self._names = [name for name, p in model.named_parameters() if p.requires_grad]
+        params = [p for p in model.parameters() if p.requires_grad]
+        # fp32 masters are taken before the cast, so they hold the exact initial weights.
+        if compute_dtype == torch.float32:
+            self._masters = params
+        else:
+            self._masters = [p.detach().clone().float() for p in params]
+            model.to(compute_dtype)
+        self._params = params
+        self._master_of = {id(p): m for p, m in zip(params, self._masters, strict=True)}
+        # reduce_bucket_size counts elements (DeepSpeed's unit); DDP wants MiB of fp32 gradients.
+        bucket_elements = getattr(zero_config, "reduce_bucket_size", None) or 25 * _MB // 4
+        self.module = DistributedDataParallel(
+            model,
+            process_group=process_group,
+            gradient_as_bucket_view=True,
+            # buffers are synced once at construction; per-forward syncs would put a collective on
+            # every micro-step.
+            forward_sync_buffers=False,
+            bucket_cap_mb=bucket_elements * 4 / _MB,
+        )
+        if compute_dtype != torch.float32:
+            self.module.register_comm_hook((process_group, self._world_size), _fp32_allreduce_hook)
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def optimizer_param_groups(self, groups: list[dict]) -> list[dict]:
+        out = []
+        for i, group in enumerate(groups):
+            tensors = []
+            for p in group["params"]:
+                if id(p) not in self._master_of:
+                    raise ValueError(
+                        f"model_parameters[{i}]: a tensor that is not a trainable parameter of the model; "
+                        "pass model.parameters() or groups over them"
+                    )
+                tensors.append(self._master_of[id(p)])
+            out.append({**group, "params": tensors})
+        return out
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        # DDP reads this flag when forward starts (it is what `no_sync()` toggles).
+        self.module.require_backward_grad_sync = enabled
+
+    def finish_gradients(self, *, grad_scale: float) -> bool:
+        # DDP has already averaged the gradients during backward; copy/unscale into the masters.
+        grads = []
+        for p, m in zip(self._params, self._masters, strict=True):
+            if p.grad is None:
+                continue
+            if m is not p:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                m.grad.copy_(p.grad)
+            grads.append(m.grad)
+        if grads and grad_scale != 1.0:
+            torch._foreach_div_(grads, grad_scale)
+        local_bad = sum(1 for g in grads if not torch.isfinite(g).all()) if grads else 0
+        # Gradients are identical after the all-reduce, but agree explicitly so a rank whose
+        # gradients were altered after the reduction cannot step alone.
+        flag = torch.tensor([float(local_bad)], device=self._masters[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item() > 0)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        grads = [m.grad for m in self._masters if m.grad is not None]
+        if not grads:
+            return 0.0
+        # Every rank holds the same full gradients, so the local norm is the global norm.
+        norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        if max_norm > 0 and norm > max_norm:
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        return norm
+
+    def after_optimizer_step(self) -> None:
+        if self._masters is self._params:
+            return
+        with torch.no_grad():
+            for p, m in zip(self._params, self._masters, strict=True):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        # In place, so gradients stay views into DDP's buckets.
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.zero_()
+        if self._masters is not self._params:
+            for m in self._masters:
+                m.grad = None
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        optimizer_state = []
+        if self._optimizer is not None:
+            for state in self._optimizer.state.values():
+                optimizer_state.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        masters = [] if self._masters is self._params else list(self._masters)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        grads += [m.grad for m in masters if m.grad is not None]
+        return {"params": list(self._params), "grads": grads, "optimizer": optimizer_state, "master": masters}
+
+    def state_dict(self) -> dict:
+        names = dict(zip(map(id, self._masters), self._names, strict=True))
+        model = dict(zip(self._names, self._masters, strict=True))
+        optim = fqn_optimizer_state(self._optimizer, names) if self._optimizer is not None else {}
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        model = state["model"]
+        with torch.no_grad():
+            for name, m in zip(self._names, self._masters, strict=True):
+                m.copy_(model[name])
+        self.after_optimizer_step()
+        if state.get("optim") and self._optimizer is not None:
+            tensors = dict(zip(self._names, self._masters, strict=True))
+            load_fqn_optimizer_state(self._optimizer, state["optim"], tensors)

@@ -1,0 +1,138 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state sharded, on FSDP2 (`fully_shard`).
+
+Built by `engine/build.py` for `zero_optimization.stage = 3`. Each child of every `nn.ModuleList` (the
+transformer blocks) becomes its own FSDP unit, then the root: a block's parameters are all-gathered just
+before it runs and freed after, and its gradients are reduce-scattered as backward leaves it. Parameters
+become `DTensor`s sharded on dim 0, so the optimizer steps on the local shards directly and the state
+dict from `get_state_dict` already has the layout `ZeroStrategy.state_dict()` promises.
+
+16-bit training uses FSDP2's `MixedPrecisionPolicy`: the fp32 shards are the master weights, each
+all-gather casts to the compute dtype, and gradients are reduced in fp32 (gloo would sum bf16 in bf16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FSDPStrategy:
+    """Stage 3 (see module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        compute_dtype: torch.dtype,
+        zero_config: Any,
+        process_group: Any = None,
+    ) -> None:
+        self._group = process_group or dist.group.WORLD
+        # fully_shard swaps in new (DTensor) parameters under the same FQNs; remember the user's
+        # tensors by FQN so their param groups can be mapped onto the shards.
+        self._name_of = {id(p): name for name, p in model.named_parameters()}
+        device = next(model.parameters()).device
+        mesh = DeviceMesh.from_group(self._group, device.type)
+        if compute_dtype == torch.float32:
+            policy = MixedPrecisionPolicy()
+        else:
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.module = model
+        self._params = dict(model.named_parameters())
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def optimizer_param_groups(self, groups: list[dict]) -> list[dict]:
+        out = []
+        for i, group in enumerate(groups):
+            shards = []
+            for p in group["params"]:
+                name = self._name_of.get(id(p))
+                if name is None:
+                    raise ValueError(
+                        f"model_parameters[{i}]: a tensor that is not a parameter of the model; "
+                        "pass model.parameters() or groups over them"
+                    )
+                shards.append(self._params[name])
+            out.append({**group, "params": shards})
+        return out
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        # Read by FSDP2 in backward: without sync, unsharded gradients accumulate locally.
+        self.module.set_requires_gradient_sync(enabled)
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [_local(p.grad) for p in self._params.values() if p.grad is not None]
+
+    def finish_gradients(self, *, grad_scale: float) -> bool:
+        # FSDP2 waits for its reduce-scatters at the end of backward: the shards hold averaged grads.
+        grads = self._local_grads()
+        if grads and grad_scale != 1.0:
+            torch._foreach_div_(grads, grad_scale)
+        local_bad = sum(1 for g in grads if not torch.isfinite(g).all())
+        device = next(iter(self._params.values())).device
+        flag = torch.tensor([float(local_bad)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item() > 0)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        grads = self._local_grads()
+        device = next(iter(self._params.values())).device
+        square = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            square = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+        # Each rank holds disjoint shards: the global square norm is the sum over ranks.
+        dist.all_reduce(square, group=self._group)
+        norm = float(square.sqrt())
+        if max_norm > 0 and norm > max_norm:
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        return norm
+
+    def after_optimizer_step(self) -> None:
+        """Nothing to publish: the next forward all-gathers (and casts) the updated shards."""
+
+    def zero_grad(self) -> None:
+        for p in self._params.values():
+            p.grad = None
+
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        optimizer_state = []
+        if self._optimizer is not None:
+            for state in self._optimizer.state.values():
+                optimizer_state.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return {
+            "params": [_local(p) for p in self._params.values()],
+            "grads": self._local_grads(),
+            "optimizer": optimizer_state,
+            "master": [],
+        }
+
+    def state_dict(self) -> dict:
+        model, optim = get_state_dict(self.module, self._optimizer if self._optimizer is not None else [])
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        optimizers = self._optimizer if self._optimizer is not None else []
+        set_state_dict(
+            self.module,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim") or {},
+        )
