@@ -1,0 +1,456 @@
+"""The engine config: DeepSpeed's JSON/YAML config, parsed, checked and normalized.
+
+Called by `deepfleet.engine.initialize` (engine side) and by `deepfleet validate` and the
+controller's job validation (both torch-free: this module and its `config_*` siblings never import
+torch). `load_config` accepts a dict, a path to a .json/.yaml/.yml file, or a JSON string, and
+returns a `DeepFleetConfig` whose attribute names are DeepSpeed's keys and whose defaults are
+DeepSpeed's code defaults, with every derived value resolved (batch triple, `overlap_comm`,
+Adam's weight decay, HF-style `"auto"` where it is well defined). Every problem is collected and
+raised at once as `ConfigError`, one line each: `"<dotted.key>: <problem>; <fix>"`.
+
+Order of `load_config`: read the source -> rename aliases -> canonicalize optimizer/scheduler
+types -> drop unknown and not-yet-supported keys (named) -> resolve `"auto"` -> pydantic
+validation (types, ranges, cross-field checks) -> translate pydantic's errors to dotted lines.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_keys import check_keys
+from deepfleet.engine.config_optim import (
+    OPTIMIZER_TYPES,
+    OPTIMIZERS_NOT_SUPPORTED,
+    SCHEDULER_TYPES,
+    OptimizerConfig,
+    SchedulerConfig,
+)
+from deepfleet.engine.config_zero import ZeroConfig
+from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
+
+__all__ = ["ConfigError", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
+
+AUTO = "auto"
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class FP16Config(ConfigSection):
+    """`fp16`: float16 mixed precision with loss scaling."""
+
+    enabled: Bool = False
+    """Train with float16 weights/activations and fp32 master weights."""
+    auto_cast: Bool = False
+    """Cast the model's floating-point inputs to float16 before forward."""
+    loss_scale: Float = Field(0.0, ge=0.0)
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: Int = Field(16, ge=0)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: Int = Field(1000, gt=0)
+    """Steps without overflow before the dynamic scale is doubled."""
+    hysteresis: Int = Field(2, ge=1)
+    """Overflows tolerated before the dynamic scale is halved."""
+    consecutive_hysteresis: Bool = False
+    """Refill the hysteresis budget after every step without overflow."""
+    min_loss_scale: Float = Field(1.0, gt=0.0)
+    """Lower bound of the dynamic loss scale."""
+
+
+class BF16Config(ConfigSection):
+    """`bf16` (DeepSpeed also reads the old spelling `bfloat16`): bfloat16 mixed precision."""
+
+    enabled: Bool = False
+    """Train with bfloat16 weights/activations and fp32 master weights (no loss scaling needed)."""
+
+
+class DeepFleetConfig(ConfigSection):
+    """The whole engine config. Attribute names are DeepSpeed's keys; everything is resolved after load."""
+
+    train_batch_size: Int | None = Field(None, gt=0)
+    """Samples per optimizer step over all ranks = micro batch * accumulation steps * world size."""
+    train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: Int | None = Field(None, gt=0)
+    """Micro-batches accumulated before each optimizer step."""
+    optimizer: OptimizerConfig | None = None
+    """Optimizer built by the engine; unset when the caller passes its own optimizer."""
+    scheduler: SchedulerConfig | None = None
+    """LR schedule built by the engine, stepped once per optimizer step."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """float16 mixed precision."""
+    bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"))
+    """bfloat16 mixed precision."""
+    gradient_clipping: Float = Field(0.0, ge=0.0)
+    """Clip the global gradient L2 norm to this value; 0 disables clipping (the norm is still computed)."""
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """ZeRO partitioning of model states."""
+    steps_per_print: Int | None = Field(None, gt=0)
+    """Log progress every this many optimizer steps; unset = never."""
+    wall_clock_breakdown: Bool = False
+    """Time forward, backward and step separately and log the breakdown."""
+    seed: Int = Field(0, ge=0)
+    """Seed of the data sampler's shuffling (0 = torch DistributedSampler's default, as DeepSpeed gets)."""
+    prescale_gradients: Bool = False
+    """Divide gradients by the world size before the reduction instead of after."""
+    gradient_predivide_factor: Float = Field(1.0, gt=0.0)
+    """Divide gradients by this before the reduction and by world_size / factor after."""
+    zero_allow_untested_optimizer: Bool = False
+    """Allow a caller-supplied optimizer that is not one of the built-in types with ZeRO stages >= 1."""
+    dump_state: Bool = False
+    """Print the resolved config at initialization."""
+
+    @model_validator(mode="after")
+    def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
+        context = info.context or {}
+        problems = _resolve_batch(self, world_size=context.get("world_size", 1), auto=context.get("auto", set()))
+        problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized config as plain JSON-compatible data (every default filled in)."""
+        return self.model_dump(mode="json")
+
+
+def _precision_conflicts(*, fp16: Any, bf16: Any) -> list[str]:
+    if fp16 is True and bf16 is True:
+        return ["fp16.enabled: fp16 and bf16 are both enabled; enable only one of them"]
+    return []
+
+
+def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str]) -> list[str]:
+    """Fill in the batch triple (train_batch_size = micro * gas * world_size) or explain why not.
+
+    `cfg` is the validated model or, before validation, a `_RawBatch` view of the raw dict, so that
+    batch errors are reported even when other keys fail validation.
+    """
+    tbs, micro, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    ws = world_size
+    if tbs is not None and micro is not None and gas is not None:
+        if tbs != micro * gas * ws:
+            return [
+                f"train_batch_size: {tbs} != {micro} (micro) * {gas} (gas) * {ws} (world size) = {micro * gas * ws}; "
+                "fix one of the three or drop train_batch_size"
+            ]
+    elif tbs is not None and micro is not None:
+        if tbs % (micro * ws):
+            return [
+                f"train_batch_size: {tbs} is not divisible by {micro} (micro) * {ws} (world size) = {micro * ws}; "
+                f"use a multiple of {micro * ws} or set gradient_accumulation_steps"
+            ]
+        gas = tbs // (micro * ws)
+    elif tbs is not None and gas is not None:
+        if tbs % (gas * ws):
+            return [
+                f"train_batch_size: {tbs} is not divisible by {gas} (gas) * {ws} (world size) = {gas * ws}; "
+                f"use a multiple of {gas * ws} or set train_micro_batch_size_per_gpu"
+            ]
+        micro = tbs // (gas * ws)
+    elif micro is not None:
+        gas = 1 if gas is None else gas
+        tbs = micro * gas * ws
+    elif tbs is not None:
+        gas = 1
+        if tbs % ws:
+            return [
+                f"train_batch_size: {tbs} is not divisible by the world size {ws}; "
+                f"use a multiple of {ws} or set train_micro_batch_size_per_gpu"
+            ]
+        micro = tbs // ws
+    else:
+        unresolved = [k for k in BATCH_KEYS if k in auto]
+        if unresolved:
+            return [
+                f"{key}: 'auto' cannot be resolved by the engine (it needs train_batch_size or "
+                "train_micro_batch_size_per_gpu as a number); set a number"
+                for key in unresolved
+            ]
+        return [
+            "train_micro_batch_size_per_gpu: missing; set train_micro_batch_size_per_gpu "
+            "(and optionally gradient_accumulation_steps) or train_batch_size"
+        ]
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tbs, micro, gas
+    return []
+
+
+class _RawBatch:
+    """The batch triple of a raw dict, if all present values are positive integers (else `usable` is False)."""
+
+    def __init__(self, data: dict) -> None:
+        self.usable = True
+        for key in BATCH_KEYS:
+            value = data.get(key)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or value != int(value)
+            ):
+                self.usable = False
+            setattr(self, key, None if value is None else int(value))
+
+
+def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: list[str]) -> None:
+    """Cross-key checks on the raw dict, so they are reported even when unrelated keys fail validation."""
+    batch = _RawBatch(data)
+    if batch.usable:
+        errors.extend(_resolve_batch(batch, world_size=world_size, auto=auto_batch))
+    fp16, bf16 = data.get("fp16"), data.get("bf16")
+    if isinstance(fp16, dict) and isinstance(bf16, dict):
+        errors.extend(_precision_conflicts(fp16=fp16.get("enabled"), bf16=bf16.get("enabled")))
+
+
+# --------------------------------------------------------------------------- reading the source
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `5e8` as a number (YAML 1.1 wants `5.0e+8`; DeepSpeed configs say 5e8)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _no_duplicates(where: str, errors: list[str]):
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                errors.append(f"{key}: duplicate key in {where}; keep only one")
+            out[key] = value
+        return out
+
+    return hook
+
+
+def _read_source(source: Any, errors: list[str]) -> dict | None:
+    """The raw config dict, or None with `errors` explaining why it cannot be read."""
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if isinstance(source, str) and source.lstrip().startswith("{"):
+        try:
+            data = json.loads(source, object_pairs_hook=_no_duplicates("the JSON string", errors))
+        except json.JSONDecodeError as e:
+            errors.append(
+                f"config: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; fix the JSON syntax there"
+            )
+            return None
+        return _top_level(data, "the JSON string", errors)
+    if not isinstance(source, (str, Path)):
+        errors.append(
+            f"config: expected a dict, a file path or a JSON string, got {type(source).__name__}; pass one of those"
+        )
+        return None
+    path = Path(source)
+    if not path.exists():
+        errors.append(f"config: file not found: {path}; pass a path to a .json/.yaml file or a JSON object string")
+        return None
+    if not path.is_file():
+        errors.append(f"config: {path} is not a file; pass a .json/.yaml config file")
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        errors.append(f"config: cannot read {path} ({e}); check the file's permissions and encoding")
+        return None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            errors.append(f"{where}: invalid YAML: {e.problem or e.context}; fix the YAML syntax there")
+            return None
+        except yaml.YAMLError as e:
+            errors.append(f"{path}: invalid YAML: {e}; fix the YAML syntax")
+            return None
+    else:
+        try:
+            data = json.loads(text, object_pairs_hook=_no_duplicates(str(path), errors))
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}; fix the JSON syntax there")
+            return None
+    return _top_level(data, str(path), errors)
+
+
+def _top_level(data: Any, where: str, errors: list[str]) -> dict | None:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        errors.append(f"config: {where} holds a {type(data).__name__}, not an object; write a JSON/YAML mapping")
+        return None
+    return data
+
+
+# --------------------------------------------------------------------------- raw-dict passes
+
+
+def _rename_aliases(data: dict, errors: list[str]) -> None:
+    if "bfloat16" in data:
+        if "bf16" in data:
+            errors.append("bfloat16: set together with bf16 (its old spelling); keep only bf16")
+            del data["bfloat16"]
+        else:
+            data["bf16"] = data.pop("bfloat16")
+    zero = data.get("zero_optimization")
+    if isinstance(zero, bool):
+        errors.append('zero_optimization: the boolean form is not supported; write {"stage": 1} (or 0)')
+        del data["zero_optimization"]
+    elif isinstance(zero, dict) and "stage3_gather_fp16_weights_on_model_save" in zero:
+        old = zero.pop("stage3_gather_fp16_weights_on_model_save")
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", old)
+
+
+def _canonical_type(data: dict, section: str, known: tuple[str, ...], unsupported: tuple[str, ...],
+                    errors: list[str]) -> None:
+    """Match `<section>.type` case-insensitively; drop the section when the type is unusable."""
+    value = data.get(section)
+    if value is None or not isinstance(value, dict):
+        return
+    kind = value.get("type")
+    if not isinstance(kind, str):
+        errors.append(f"{section}.type: missing or not a string; set one of {', '.join(known)}")
+        del data[section]
+        return
+    by_lower = {name.lower(): name for name in known}
+    if kind.lower() in by_lower:
+        value["type"] = by_lower[kind.lower()]
+        return
+    del data[section]
+    if kind.lower() in {name.lower() for name in unsupported}:
+        errors.append(f"{section}.type: {kind!r} is not supported yet; use one of {', '.join(known)}")
+        return
+    close = difflib.get_close_matches(kind.lower(), list(by_lower), n=1, cutoff=0.6)
+    hint = f"did you mean {by_lower[close[0]]!r}? " if close else ""
+    errors.append(f"{section}.type: unknown {section} {kind!r}; {hint}use one of {', '.join(known)}")
+
+
+def _hf_bucket_sizes(hidden_size: int) -> dict[str, int]:
+    # The formulas the HF Trainer uses to fill these "auto" values from the model's hidden size.
+    return {
+        "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "zero_optimization.prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+        "zero_optimization.param_persistence_threshold": 10 * hidden_size,
+    }
+
+
+def _resolve_auto(data: dict, *, path: str, hidden_size: int | None, auto_batch: set[str],
+                  errors: list[str]) -> None:
+    """Replace resolvable "auto" values, drop the batch triple's (derived later), report the rest."""
+    from_hidden = _hf_bucket_sizes(hidden_size) if hidden_size else {}
+    for key in list(data):
+        value = data[key]
+        dotted = f"{path}{key}"
+        if isinstance(value, dict):
+            _resolve_auto(value, path=dotted + ".", hidden_size=hidden_size, auto_batch=auto_batch, errors=errors)
+            continue
+        if not (isinstance(value, str) and value == AUTO):
+            continue
+        if dotted in BATCH_KEYS:
+            auto_batch.add(dotted)
+            del data[key]
+        elif dotted in from_hidden:
+            data[key] = from_hidden[dotted]
+        elif dotted in _hf_bucket_sizes(1):
+            errors.append(
+                f"{dotted}: 'auto' needs the model's hidden size; pass hidden_size to load_config "
+                "(deepfleet validate --hidden-size) or set a number"
+            )
+            del data[key]
+        else:
+            errors.append(f"{dotted}: 'auto' cannot be resolved by the engine; {_auto_fix(key)}")
+            del data[key]
+
+
+def _auto_fix(key: str) -> str:
+    if key == "enabled":
+        return "set true or false"
+    if key == "betas":
+        return "set two numbers, e.g. [0.9, 0.999]"
+    return "set a number"
+
+
+# --------------------------------------------------------------------------- pydantic errors
+
+_VARIANT_TAGS = set(OPTIMIZER_TYPES) | set(SCHEDULER_TYPES)
+_KEYED_LINE = re.compile(r"^[A-Za-z0-9_.]+: ")
+
+
+def _dotted(loc: tuple) -> str:
+    parts = [str(p) for i, p in enumerate(loc) if not (i > 0 and loc[i - 1] in ("optimizer", "scheduler")
+                                                           and p in _VARIANT_TAGS)]
+    return ".".join(parts)
+
+
+def _translate(error: dict) -> list[str]:
+    key = _dotted(error["loc"])
+    kind, ctx, value = error["type"], error.get("ctx", {}), error.get("input")
+    if kind == "value_error":
+        lines = str(ctx.get("error", error["msg"])).splitlines()
+        out = []
+        for line in lines:
+            if _KEYED_LINE.match(line):  # a model-level check naming keys relative to `key`
+                out.append(f"{key}.{line}" if key else line)
+            else:
+                out.append(f"{key or 'config'}: {line}")
+        return out
+    key = key or "config"
+    if kind == "missing":
+        return [f"{key}: missing (required); add it"]
+    if kind == "extra_forbidden":
+        return [f"{key}: unknown key; remove it"]
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return [f"{key}: must be {bounds[kind]} {limit}, got {value!r}; set a value {bounds[kind]} {limit}"]
+    if kind == "literal_error":
+        return [f"{key}: {value!r} is not allowed; use one of {ctx.get('expected')}"]
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return [f"{key}: expected an object (mapping), got {type(value).__name__} {value!r}; write {{...}}"]
+    if kind in ("string_type",):
+        return [f"{key}: expected a string, got {type(value).__name__} {value!r}; write a quoted string"]
+    return [f"{key}: {error['msg']}; fix the value"]
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def load_config(source: dict | str | Path, *, world_size: int = 1, hidden_size: int | None = None) -> DeepFleetConfig:
+    """Parse, check and normalize a DeepSpeed-style config.
+
+    `source`: a dict, a path to a .json/.yaml/.yml file, or a JSON object string. `world_size`:
+    data-parallel ranks, used to derive the batch triple. `hidden_size`: the model's hidden size,
+    used to resolve HF-style `"auto"` bucket sizes. Raises `ConfigError` listing every problem.
+    """
+    errors: list[str] = []
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError([f"world_size: must be a positive integer, got {world_size!r}; pass world_size >= 1"])
+    data = _read_source(source, errors)
+    if data is None:
+        raise ConfigError(errors)
+    _rename_aliases(data, errors)
+    _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
+    _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)
+    check_keys(data, DeepFleetConfig, path="", errors=errors)
+    auto_batch: set[str] = set()
+    _resolve_auto(data, path="", hidden_size=hidden_size, auto_batch=auto_batch, errors=errors)
+    _raw_checks(data, world_size=world_size, auto_batch=auto_batch, errors=errors)
+    try:
+        cfg = DeepFleetConfig.model_validate(data, context={"world_size": world_size, "auto": auto_batch})
+    except ValidationError as e:
+        for err in e.errors():
+            errors.extend(_translate(err))
+        cfg = None
+    if errors:
+        # Deduplicated (the raw checks and the model may say the same thing) and sorted by key.
+        raise ConfigError(sorted(dict.fromkeys(errors)))
+    return cfg

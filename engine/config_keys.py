@@ -1,0 +1,202 @@
+"""Key checks that run on the raw config dict before pydantic sees it.
+
+Called by `deepfleet.engine.config.load_config`. Pydantic's `extra="forbid"` alone would say
+"extra inputs are not permitted" for both a typo and a real DeepSpeed feature this engine lacks;
+users need to know which one it is. This walk names every unknown key by its full dotted path with
+a did-you-mean hint, tells DeepSpeed keys that are not implemented yet apart ("not supported
+yet"), accepts such a key only when its value is DeepSpeed's default (so it changes nothing), and
+removes the offending keys so that the remaining errors are still collected in the same pass.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import AliasChoices, BaseModel
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A DeepSpeed key this engine does not implement: `harmless(value)` says when it changes nothing."""
+
+    harmless: Callable[[Any], bool]
+    fix: str = "drop it"
+
+
+def _never(_: Any) -> bool:
+    return False
+
+
+def _equals(default: Any) -> Callable[[Any], bool]:
+    # 1 == True in Python; a bool default only matches a bool.
+    return lambda value: value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def _disabled(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("enabled", False) is False
+
+
+def _any(_: Any) -> bool:
+    return True
+
+
+_SECTION = Unsupported(_never, "drop the section")
+_OFF = Unsupported(_disabled, 'drop the section or set "enabled": false')
+
+# Dotted DeepSpeed keys that this engine does not implement yet.
+NOT_SUPPORTED: dict[str, Unsupported] = {
+    # top-level features
+    "activation_checkpointing": _SECTION,
+    "flops_profiler": _OFF,
+    "tensorboard": _OFF,
+    "wandb": _OFF,
+    "csv_monitor": _OFF,
+    "comet": _OFF,
+    "comms_logger": _OFF,
+    "pipeline": _SECTION,
+    "sparse_attention": _SECTION,
+    "compression_training": _SECTION,
+    "data_efficiency": _OFF,
+    "curriculum_learning": _OFF,
+    "amp": _OFF,
+    "elasticity": _OFF,
+    "aio": _SECTION,
+    "autotuning": _OFF,
+    "eigenvalue": _OFF,
+    "progressive_layer_drop": _OFF,
+    "quantize_training": _OFF,
+    "checkpoint": _SECTION,
+    "data_types": _SECTION,
+    "hybrid_engine": _OFF,
+    "compile": _SECTION,
+    "nebula": _OFF,
+    "weight_quantization": _SECTION,
+    "tensor_parallel": _SECTION,
+    "expert_parallel": _SECTION,
+    "timers": _SECTION,
+    "torch_autocast": _OFF,
+    "communication_data_type": Unsupported(_equals(None)),
+    "seq_parallel_communication_data_type": Unsupported(_equals("fp32")),
+    "sequence_parallel_size": Unsupported(_equals(1)),
+    "sparse_gradients": Unsupported(_equals(False)),
+    "disable_allgather": Unsupported(_equals(False)),
+    "memory_breakdown": Unsupported(_equals(False)),
+    "graph_harvesting": Unsupported(_equals(False)),
+    "dataloader_drop_last": Unsupported(_equals(False)),
+    "zero_force_ds_cpu_optimizer": Unsupported(_equals(True)),
+    "use_data_before_expert_parallelism": Unsupported(_equals(False)),
+    # DeepSpeed only logs a warning about this key; it has no effect on training.
+    "vocabulary_size": Unsupported(_any),
+    # optimizer section
+    "optimizer.legacy_fusion": Unsupported(_equals(False)),
+    "optimizer.params.max_grad_norm": Unsupported(_equals(0), "use the top-level gradient_clipping instead"),
+    "optimizer.params.set_grad_none": Unsupported(_equals(True)),
+    # precision sections
+    "fp16.fp16_master_weights_and_grads": Unsupported(_equals(False)),
+    "bf16.immediate_grad_update": Unsupported(_any),  # when master grads are updated; no numeric effect
+    "bf16.check_grad_overflow": Unsupported(_equals(False)),
+    "bf16.bf16_master_weights_and_grads": Unsupported(_equals(False)),
+    "bf16.bf16_optimizer_states": Unsupported(_equals(False)),
+    # zero_optimization
+    "zero_optimization.cpu_offload": Unsupported(_equals(False), 'use "offload_optimizer": {"device": "cpu"}'),
+    "zero_optimization.cpu_offload_param": Unsupported(_equals(False), 'use "offload_param": {"device": "cpu"}'),
+    "zero_optimization.cpu_offload_use_pin_memory": Unsupported(
+        _equals(False), "use offload_optimizer.pin_memory / offload_param.pin_memory"
+    ),
+    "zero_optimization.elastic_checkpoint": Unsupported(_equals(False)),
+    "zero_optimization.load_from_fp32_weights": Unsupported(_equals(True)),
+    "zero_optimization.ignore_unused_parameters": Unsupported(_equals(True)),
+    "zero_optimization.legacy_stage1": Unsupported(_equals(False)),
+    "zero_optimization.use_multi_rank_bucket_allreduce": Unsupported(_equals(True)),
+    "zero_optimization.zero_hpz_partition_size": Unsupported(_equals(1)),
+    "zero_optimization.zero_quantized_weights": Unsupported(_equals(False)),
+    "zero_optimization.zero_quantized_nontrainable_weights": Unsupported(_equals(False)),
+    "zero_optimization.zero_quantized_gradients": Unsupported(_equals(False)),
+    "zero_optimization.zeropp_loco_param": Unsupported(_equals(None)),
+    "zero_optimization.mics_shard_size": Unsupported(_equals(-1)),
+    "zero_optimization.mics_hierarchical_params_gather": Unsupported(_equals(False)),
+    "zero_optimization.memory_efficient_linear": Unsupported(_equals(True)),
+    "zero_optimization.pipeline_loading_checkpoint": Unsupported(_equals(False)),
+    "zero_optimization.override_module_apply": Unsupported(_equals(True)),
+    "zero_optimization.log_trace_cache_warnings": Unsupported(_equals(False)),
+    "zero_optimization.enable_sanity_checks": Unsupported(_equals(False)),
+    "zero_optimization.zenflow": Unsupported(_equals(None)),
+    "zero_optimization.leaf_module": _SECTION,
+    "zero_optimization.stage3_module_granularity_threshold": Unsupported(_equals(0)),
+    "zero_optimization.module_granularity_threshold": Unsupported(_equals(0)),
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": Unsupported(_equals(False)),
+    "zero_optimization.stage3_allgather_sequential": Unsupported(_equals(False)),
+    "zero_optimization.stage3_partition_stream_chunk_size": Unsupported(_equals(0)),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": Unsupported(_equals(False)),
+    "zero_optimization.offload_optimizer.super_offload": Unsupported(_equals(False)),
+    "zero_optimization.offload_optimizer.convert_grad_on_cpu": Unsupported(_equals(True)),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": Unsupported(_equals(0.8)),
+}
+
+
+def accepted_keys(model: type[BaseModel]) -> dict[str, Any]:
+    """Every key a model accepts (field names and validation aliases) -> the field's annotation."""
+    keys: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        keys[name] = field.annotation
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            for choice in alias.choices:
+                if isinstance(choice, str):
+                    keys[choice] = field.annotation
+        elif isinstance(alias, str):
+            keys[alias] = field.annotation
+    return keys
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return []
+
+
+def section_model(annotation: Any, value: Any) -> type[BaseModel] | None:
+    """The model a nested dict validates against; for a union on `type`, the variant `value` names."""
+    models = _models_in(annotation)
+    if len(models) == 1:
+        return models[0]
+    if isinstance(value, dict):
+        for model in models:
+            tag = model.model_fields.get("type")
+            if tag is not None and tag.default == value.get("type"):
+                return model
+    return None
+
+
+def check_keys(data: dict, model: type[BaseModel], *, path: str, errors: list[str]) -> None:
+    """Remove unknown and not-yet-supported keys from `data` (in place), appending one error line each."""
+    accepted = accepted_keys(model)
+    for key in list(data):
+        value = data[key]
+        dotted = f"{path}{key}"
+        if key in accepted:
+            sub = section_model(accepted[key], value)
+            if sub is not None and isinstance(value, dict):
+                check_keys(value, sub, path=dotted + ".", errors=errors)
+            continue
+        del data[key]
+        rule = NOT_SUPPORTED.get(dotted)
+        if rule is not None:
+            if not rule.harmless(value):
+                errors.append(f"{dotted}: not supported yet; {rule.fix}")
+            continue
+        siblings = [k[len(path):] for k in NOT_SUPPORTED if k.startswith(path) and "." not in k[len(path):]]
+        close = difflib.get_close_matches(str(key), [*accepted, *siblings], n=1, cutoff=0.6)
+        hint = f"did you mean {path}{close[0]}? " if close else ""
+        errors.append(f"{dotted}: unknown key; {hint}remove or rename it")

@@ -1,0 +1,158 @@
+"""The `zero_optimization` section of the engine config (ZeRO stage, buckets, offload).
+
+Field names are DeepSpeed's JSON keys (the `stage3_*` knobs keep their prefix; DeepSpeed's short
+spellings such as `prefetch_bucket_size` are accepted as aliases) and defaults are the values in
+DeepSpeed's `runtime/zero/config.py` and `offload_config.py`. Read by the ZeRO strategies under
+`deepfleet.engine.zero` and by the offload code. Torch-free.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Literal
+
+from deepfleet.engine.config_base import Bool, ConfigSection, Float, Int
+from pydantic import AfterValidator, AliasChoices, Field, model_validator
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadParamConfig(ConfigSection):
+    """`zero_optimization.offload_param`: keep stage-3 parameter shards in host memory between uses."""
+
+    device: OffloadDevice = "none"
+    """Where parameter shards live: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
+    pin_memory: Bool = False
+    """Page-locked host buffers (faster host<->device copies, uses locked memory)."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
+    buffer_count: Int = Field(5, ge=0)
+    """NVMe buffer pool size (only with device `nvme`)."""
+    buffer_size: Int = Field(100_000_000, ge=0)
+    """Elements per NVMe buffer (only with device `nvme`)."""
+    max_in_cpu: Int = Field(1_000_000_000, ge=0)
+    """Parameter elements kept in host memory under NVMe offload (only with device `nvme`)."""
+
+
+class OffloadOptimizerConfig(ConfigSection):
+    """`zero_optimization.offload_optimizer`: keep optimizer state in host memory and step it on the CPU."""
+
+    device: OffloadDevice = "none"
+    """Where optimizer state lives: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
+    pin_memory: Bool = False
+    """Page-locked host buffers (faster host<->device copies, uses locked memory)."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
+    buffer_count: Int = Field(4, ge=0)
+    """NVMe buffer pool size (only with device `nvme`)."""
+    pipeline_read: Bool = False
+    """Overlap NVMe reads with the optimizer step (only with device `nvme`)."""
+    pipeline_write: Bool = False
+    """Overlap NVMe writes with the optimizer step (only with device `nvme`)."""
+    fast_init: Bool = False
+    """Fast optimizer-state initialisation under NVMe offload (only with device `nvme`)."""
+    ratio: Float = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of the optimizer step run on the CPU (partial offload is not supported yet: only 1.0)."""
+
+
+def _stage_in_range(stage: int) -> int:
+    if not 0 <= stage <= 3:
+        raise ValueError(f"{stage} is out of range; use 0, 1, 2 or 3")
+    return stage
+
+
+# Offload keys that only mean something for NVMe, with DeepSpeed's defaults: set to anything else
+# they would be silently ignored, so they are reported instead.
+_NVME_ONLY = {
+    "nvme_path": None, "buffer_count": None, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
+    "pipeline_read": False, "pipeline_write": False, "fast_init": False,
+}
+
+
+class ZeroConfig(ConfigSection):
+    """`zero_optimization`: how model states are partitioned across the data-parallel ranks."""
+
+    stage: Annotated[Int, AfterValidator(_stage_in_range)] = 0
+    """0 = replicated (DDP); 1 = optimizer state partitioned; 2 = + gradients; 3 = + parameters."""
+    contiguous_gradients: Bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    reduce_scatter: Bool = True
+    """Average gradients with reduce-scatter (stages 1/2) instead of all-reduce."""
+    reduce_bucket_size: Int = Field(500_000_000, gt=0)
+    """Elements reduced per collective call (bucket size of the gradient reduction)."""
+    allgather_partitions: Bool = True
+    """Gather updated partitions with all-gather (true) or per-rank broadcasts (false)."""
+    allgather_bucket_size: Int = Field(500_000_000, gt=0)
+    """Elements gathered per collective call after the optimizer step (stages 1/2)."""
+    overlap_comm: Bool | None = None
+    """Overlap gradient reduction with the backward pass; unset = true at stage 3, false otherwise."""
+    round_robin_gradients: Bool = False
+    """Stages 1/2 with CPU offload: spread gradient copies to host over ranks in round-robin order."""
+    sub_group_size: Int = Field(1_000_000_000, ge=0)
+    """Elements per optimizer-step tile at stage 3 (bounds the step's temporary memory)."""
+    offload_param: OffloadParamConfig | None = None
+    """Parameter offload (stage 3 only)."""
+    offload_optimizer: OffloadOptimizerConfig | None = None
+    """Optimizer-state offload (stages 1, 2, 3)."""
+    stage3_prefetch_bucket_size: Int = Field(
+        50_000_000, ge=0, validation_alias=AliasChoices("stage3_prefetch_bucket_size", "prefetch_bucket_size")
+    )
+    """Stage 3: parameter elements fetched ahead of use (0 = no prefetch)."""
+    stage3_param_persistence_threshold: Int = Field(
+        100_000,
+        ge=0,
+        validation_alias=AliasChoices("stage3_param_persistence_threshold", "param_persistence_threshold"),
+    )
+    """Stage 3: parameters with fewer elements stay unpartitioned."""
+    stage3_model_persistence_threshold: Int = Field(
+        sys.maxsize,
+        ge=0,
+        validation_alias=AliasChoices("stage3_model_persistence_threshold", "model_persistence_threshold"),
+    )
+    """Stage 3: upper bound on the total elements kept unpartitioned by the persistence threshold."""
+    stage3_max_live_parameters: Int = Field(
+        1_000_000_000, ge=0, validation_alias=AliasChoices("stage3_max_live_parameters", "max_live_parameters")
+    )
+    """Stage 3: parameter elements kept gathered at once before releasing."""
+    stage3_max_reuse_distance: Int = Field(
+        1_000_000_000, ge=0, validation_alias=AliasChoices("stage3_max_reuse_distance", "max_reuse_distance")
+    )
+    """Stage 3: do not release a parameter reused within this many elements of fetches."""
+    stage3_gather_16bit_weights_on_model_save: Bool = Field(
+        False,
+        validation_alias=AliasChoices(
+            "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"
+        ),
+    )
+    """Stage 3: gather full 16-bit weights when saving a model file."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ZeroConfig:
+        problems: list[str] = []
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+        param_offload = self.offload_param is not None and self.offload_param.device != "none"
+        if param_offload and self.stage != 3:
+            problems.append(
+                f"offload_param: parameter offload needs stage 3 (stage is {self.stage}); "
+                "set zero_optimization.stage to 3 or drop offload_param"
+            )
+        optim_offload = self.offload_optimizer is not None and self.offload_optimizer.device != "none"
+        if optim_offload and self.stage == 0:
+            problems.append(
+                "offload_optimizer: optimizer offload needs stage 1, 2 or 3 (stage is 0); "
+                "set zero_optimization.stage or drop offload_optimizer"
+            )
+        for name, section in (("offload_param", self.offload_param), ("offload_optimizer", self.offload_optimizer)):
+            if section is None:
+                continue
+            if section.device == "nvme":
+                problems.append(f"{name}.device: nvme is not supported yet; use \"cpu\"")
+            for key, default in _NVME_ONLY.items():
+                if key in section.model_fields_set and getattr(section, key) != default:
+                    problems.append(f"{name}.{key}: not supported yet (NVMe offload only); drop it")
+        if self.offload_optimizer is not None and self.offload_optimizer.ratio != 1.0:
+            problems.append("offload_optimizer.ratio: partial offload is not supported yet; drop it or use 1.0")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self

@@ -1,0 +1,226 @@
+"""deepfleet.engine.config: defaults, batch arithmetic, sources, aliases and the error lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from deepfleet.engine.config import ConfigError, DeepFleetConfig, load_config
+
+
+def _errors(source, **kwargs) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(source, **kwargs)
+    return info.value.errors
+
+
+def test_defaults_match_deepspeed_code_defaults() -> None:
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2})
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (2, 2, 1)
+    assert cfg.optimizer is None and cfg.scheduler is None
+    fp16 = cfg.fp16
+    assert (fp16.enabled, fp16.auto_cast, fp16.loss_scale, fp16.initial_scale_power) == (False, False, 0.0, 16)
+    assert (fp16.loss_scale_window, fp16.hysteresis, fp16.consecutive_hysteresis, fp16.min_loss_scale) == (
+        1000, 2, False, 1.0)
+    assert cfg.bf16.enabled is False
+    assert cfg.gradient_clipping == 0.0
+    zero = cfg.zero_optimization
+    assert zero.stage == 0 and zero.overlap_comm is False
+    assert zero.reduce_bucket_size == 500_000_000 and zero.allgather_bucket_size == 500_000_000
+    assert zero.contiguous_gradients and zero.reduce_scatter and zero.allgather_partitions
+    assert zero.round_robin_gradients is False and zero.sub_group_size == 1_000_000_000
+    assert zero.stage3_prefetch_bucket_size == 50_000_000 and zero.stage3_param_persistence_threshold == 100_000
+    assert zero.stage3_max_live_parameters == 1_000_000_000 and zero.stage3_max_reuse_distance == 1_000_000_000
+    assert zero.offload_param is None and zero.offload_optimizer is None
+    assert cfg.steps_per_print is None and cfg.wall_clock_breakdown is False
+    assert cfg.prescale_gradients is False and cfg.gradient_predivide_factor == 1.0
+    assert cfg.zero_allow_untested_optimizer is False and cfg.dump_state is False
+
+
+def test_overlap_comm_defaults_to_true_at_stage_3_only() -> None:
+    assert load_config({"train_batch_size": 4, "zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm
+    two = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 2}})
+    assert two.zero_optimization.overlap_comm is False
+
+
+@pytest.mark.parametrize(
+    ("given", "world_size", "expected"),
+    [
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+        ({"train_batch_size": 12}, 3, (12, 4, 1)),
+        ({"train_micro_batch_size_per_gpu": 5}, 2, (10, 5, 1)),
+        ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2,
+         (16, 4, 2)),
+        ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}, 2,
+         (8, 4, 1)),
+        ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, 3,
+         (24, 2, 4)),
+    ],
+)
+def test_batch_triple_is_derived(given: dict, world_size: int, expected: tuple) -> None:
+    cfg = load_config(given, world_size=world_size)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expected
+
+
+def test_inconsistent_batch_triple_shows_the_arithmetic() -> None:
+    errors = _errors(
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, world_size=2
+    )
+    assert errors == [
+        "train_batch_size: 32 != 4 (micro) * 2 (gas) * 2 (world size) = 16; fix one of the three or drop train_batch_size"
+    ]
+
+
+def test_indivisible_and_missing_batch_sizes() -> None:
+    assert _errors({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=2)[0].startswith(
+        "train_batch_size: 30 is not divisible by 4 (micro) * 2 (world size) = 8;")
+    assert _errors({"gradient_accumulation_steps": 2})[0].startswith("train_micro_batch_size_per_gpu: missing;")
+    assert _errors({"train_micro_batch_size_per_gpu": 0})[0].startswith("train_micro_batch_size_per_gpu: must be > 0")
+
+
+def test_all_errors_are_collected_one_line_each() -> None:
+    errors = _errors({
+        "train_batch_size": 8,
+        "fp16": {"enabled": True},
+        "bf16": {"enabled": True},
+        "gradient_clip": 1.0,
+        "tensorboard": {"enabled": True, "output_path": "runs"},
+        "optimizer": {"type": "adam", "params": {"lr": "auto", "momentum": 0.9}},
+        "zero_optimization": {"stage": 5, "reduce_bucket_size": -1},
+        "steps_per_print": "10",
+    })
+    assert errors == [  # sorted by key
+        "fp16.enabled: fp16 and bf16 are both enabled; enable only one of them",
+        "gradient_clip: unknown key; did you mean gradient_clipping? remove or rename it",
+        "optimizer.params.lr: 'auto' cannot be resolved by the engine; set a number",
+        "optimizer.params.momentum: unknown key; remove or rename it",
+        "steps_per_print: expected an integer, got str '10'; write a number without quotes",
+        'tensorboard: not supported yet; drop the section or set "enabled": false',
+        "zero_optimization.reduce_bucket_size: must be > 0, got -1; set a value > 0",
+        "zero_optimization.stage: 5 is out of range; use 0, 1, 2 or 3",
+    ]
+    assert all("\n" not in line for line in errors)
+
+
+def test_sources_dict_json_string_json_file_yaml_file(tmp_path) -> None:
+    raw = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}}
+    as_json = tmp_path / "ds.json"
+    as_json.write_text(json.dumps(raw))
+    as_yaml = tmp_path / "ds.yaml"
+    as_yaml.write_text("train_micro_batch_size_per_gpu: 2\nzero_optimization:\n  stage: 2\n  reduce_bucket_size: 2e8\n")
+    results = [load_config(s).to_dict() for s in (raw, json.dumps(raw), str(as_json), as_json, as_yaml)]
+    assert all(r == results[0] for r in results)
+    assert results[0]["zero_optimization"]["reduce_bucket_size"] == 200_000_000
+    assert raw["zero_optimization"]["reduce_bucket_size"] == 2e8  # the caller's dict is not modified
+
+
+def test_malformed_files_name_file_line_and_column(tmp_path) -> None:
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n}\n')
+    [line] = _errors(bad_json)
+    assert line.startswith(f"{bad_json}:3:") and "invalid JSON" in line
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("train_batch_size: 8\nfp16:\n  enabled: [true\n")
+    [line] = _errors(bad_yaml)
+    assert line.startswith(f"{bad_yaml}:") and "invalid YAML" in line
+    assert _errors('{"train_batch_size": 8,}')[0].startswith("config: invalid JSON at line 1 column")
+    assert _errors(tmp_path / "missing.json")[0].startswith("config: file not found:")
+    assert _errors(tmp_path)[0].startswith(f"config: {tmp_path} is not a file;")
+    not_a_mapping = tmp_path / "list.json"
+    not_a_mapping.write_text("[1]")
+    assert _errors(not_a_mapping) == [f"config: {not_a_mapping} holds a list, not an object; write a JSON/YAML mapping"]
+
+
+def test_duplicate_json_keys_are_rejected() -> None:
+    assert _errors('{"train_batch_size": 8, "train_batch_size": 16}') == [
+        "train_batch_size: duplicate key in the JSON string; keep only one"
+    ]
+
+
+def test_bfloat16_alias_and_both_spellings() -> None:
+    assert load_config({"train_batch_size": 1, "bfloat16": {"enabled": True}}).bf16.enabled is True
+    assert _errors({"train_batch_size": 1, "bf16": {}, "bfloat16": {}}) == [
+        "bfloat16: set together with bf16 (its old spelling); keep only bf16"
+    ]
+
+
+def test_auto_bucket_sizes_resolve_from_hidden_size() -> None:
+    zero = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto"}
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": zero}, hidden_size=1024)
+    z = cfg.zero_optimization
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
+        1024 * 1024, int(0.9 * 1024 * 1024), 10 * 1024)
+    errors = _errors({"train_batch_size": 2, "zero_optimization": zero})
+    assert len(errors) == 3 and all("'auto' needs the model's hidden size" in e for e in errors)
+
+
+def test_not_supported_key_with_default_value_is_accepted_and_other_values_named() -> None:
+    ok = {"train_batch_size": 2, "zero_optimization": {"stage": 2, "load_from_fp32_weights": True},
+          "wandb": {"enabled": False}, "communication_data_type": None}
+    load_config(ok)
+    errors = _errors({"train_batch_size": 2, "zero_optimization": {"stage": 2, "load_from_fp32_weights": False},
+                      "activation_checkpointing": {"partition_activations": True}})
+    assert errors == [
+        "activation_checkpointing: not supported yet; drop the section",
+        "zero_optimization.load_from_fp32_weights: not supported yet; drop it",
+    ]
+
+
+def test_nvme_offload_is_not_supported_yet_and_offload_needs_the_right_stage() -> None:
+    errors = _errors({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
+    assert errors == [
+        'zero_optimization.offload_param.device: nvme is not supported yet; use "cpu"',
+        "zero_optimization.offload_param.nvme_path: not supported yet (NVMe offload only); drop it",
+    ]
+    assert _errors({"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})[0].startswith(
+        "zero_optimization.offload_optimizer: optimizer offload needs stage 1, 2 or 3")
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.zero_optimization.offload_param.device == "cpu" and cfg.zero_optimization.offload_param.pin_memory
+
+
+def test_wrong_types_are_not_coerced() -> None:
+    errors = _errors({"train_batch_size": 2, "fp16": {"enabled": "yes"}, "gradient_clipping": True,
+                      "zero_optimization": {"stage": 1.5}, "seed": [1]})
+    assert errors == [
+        "fp16.enabled: expected true or false, got str 'yes'; write true or false without quotes",
+        "gradient_clipping: expected a number, got bool True; write a number without quotes",
+        "seed: expected an integer, got list [1]; write a number without quotes",
+        "zero_optimization.stage: expected an integer, got 1.5; use a whole number",
+    ]
+    assert _errors({"train_batch_size": 2, "fp16": 1}) == [
+        "fp16: expected an object (mapping), got int 1; write {...}"
+    ]
+
+
+def test_model_dump_round_trips() -> None:
+    cfg = load_config({"train_batch_size": 8, "optimizer": {"type": "Lion"}, "scheduler": {
+        "type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}}, world_size=2)
+    again = load_config(cfg.to_dict(), world_size=2)
+    assert again == cfg
+    assert isinstance(again, DeepFleetConfig)
+
+
+def test_config_imports_without_torch() -> None:
+    code = textwrap.dedent("""
+        import sys
+        class _Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch" or name.startswith("torch."):
+                    raise ImportError("torch is blocked")
+        sys.meta_path.insert(0, _Block())
+        from deepfleet.engine.config import load_config
+        cfg = load_config({"train_batch_size": 4, "optimizer": {"type": "AdamW"}})
+        assert "torch" not in sys.modules
+        print(cfg.optimizer.type)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "AdamW"
