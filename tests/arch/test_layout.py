@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MAPPED = {"engine", "kernels", "worker", "controller"}
+MAPPED = {"engine", "kernels", "worker", "controller", "migrations"}
 # The engine's __init__ is the public DeepSpeed-shaped entry point (`deepfleet.engine.initialize`);
 # it may hold only a lazy export table (PEP 562 __getattr__), nothing that runs at import.
 LAZY_EXPORT_INITS = {Path("engine/__init__.py")}

@@ -1,0 +1,111 @@
+"""Controller settings: database URL, request limits, tokens, backend selection.
+
+Built by the server entry point (`deepfleet server`) and by tests, then passed to
+`create_app(settings)`, the session factory and the reconciler; there is no module-level settings
+object. `Settings.from_env()` reads `DEEPFLEET_*` variables and lets explicit keyword overrides
+(command-line flags) win. Plain pydantic rather than pydantic-settings: the env mapping is a dozen
+lines and keeps the base install one dependency lighter.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+ENV_PREFIX = "DEEPFLEET_"
+
+
+def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """`$XDG_DATA_HOME/deepfleet` or `~/.local/share/deepfleet` (the embedded default's home)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_DATA_HOME") or str(Path(env.get("HOME", str(Path.home()))) / ".local" / "share")
+    return Path(base) / "deepfleet"
+
+
+class SettingsError(ValueError):
+    """Invalid controller settings; `.errors` holds one "<DEEPFLEET_VAR or field>: <problem>; <fix>" each."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class Settings(BaseModel):
+    """Everything the controller process is configured with (env `DEEPFLEET_<FIELD>` in upper case)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    """Home of the embedded database and the local backend's logs."""
+    database_url: str | None = None
+    """SQLAlchemy URL (postgresql+psycopg://... in production); None: SQLite at <data_dir>/deepfleet.db."""
+    logs_dir: Path | None = None
+    """Where backends write `<logs_dir>/<run name>/node-<i>.log`; None: <data_dir>/logs."""
+    backend: Literal["local", "kubernetes", "azureml"] = "local"
+    """The backend the reconciler drives (jobs name theirs in spec.backend; others are refused at admission)."""
+    max_request_bytes: int = Field(1_048_576, ge=1024)
+    """Largest request body accepted; bigger bodies get 413."""
+    token_ttl_days: float | None = Field(90.0, gt=0)
+    """Default lifetime of API tokens created through POST /v1/tokens; None: no expiry."""
+    secret: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
+    """Key of the job-scoped worker tokens (HMAC); set it explicitly when several replicas serve one DB."""
+    admin_token: SecretStr | None = None
+    """A bootstrap admin token ("dft_<id>_<secret>") ensured at start for `admin_project`."""
+    admin_project: str = "default"
+    """Project of the bootstrap admin token."""
+    controller_url: str = "http://127.0.0.1:8000"
+    """Base URL workers use to reach this controller (heartbeats)."""
+    reconcile_interval_s: float = Field(2.0, gt=0)
+    """Seconds between reconciler passes."""
+    lease_seconds: float = Field(30.0, gt=0)
+    """How long a replica's claim on a job (or the scheduler lease) lasts without renewal."""
+    replica_id: str = Field(default_factory=lambda: f"controller-{secrets.token_hex(4)}")
+    """Name this replica claims jobs under."""
+    migrate_on_start: bool = True
+    """Run `alembic upgrade head` when the server starts (the Helm chart runs it as a hook instead)."""
+    log_max_bytes: int = Field(16 * 1_048_576, ge=1)
+    """Largest log tail the API returns in one response."""
+
+    @property
+    def db_url(self) -> str:
+        """The effective database URL."""
+        return self.database_url or f"sqlite:///{self.data_dir / 'deepfleet.db'}"
+
+    @property
+    def logs_root(self) -> Path:
+        """The effective logs directory."""
+        return self.logs_dir or self.data_dir / "logs"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from `DEEPFLEET_*` variables; keyword `overrides` (flags) win over the environment.
+
+        Raises SettingsError naming the variable and the fix.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = ENV_PREFIX + name.upper()
+            if key in env and env[key] != "":
+                values[name] = env[key]
+        if "database_url" not in values and env.get("DATABASE_URL"):
+            values["database_url"] = env["DATABASE_URL"]
+        if "data_dir" not in values:
+            values["data_dir"] = default_data_dir(env)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            lines = []
+            for err in e.errors():
+                field = str(err["loc"][0]) if err["loc"] else "settings"
+                where = ENV_PREFIX + field.upper() if field in values and field not in overrides else field
+                msg = err["msg"].removeprefix("Value error, ")
+                hint = "unknown setting; remove it" if err["type"] == "extra_forbidden" else f"{msg}; fix the value"
+                lines.append(f"{where}: {hint}")
+            raise SettingsError(lines) from None
