@@ -155,9 +155,9 @@ def main() -> None:
 
     report: dict = {"bytes": {"reachable": reachable_bytes(engine)}}
     if args.impl == "deepfleet":
-        from deepfleet.engine.memory import model_state_bytes
+        from deepfleet.engine.memory import strategy_memory
 
-        report["bytes"].update(model_state_bytes(engine.sharding))
+        report["bytes"].update(strategy_memory(engine.sharding))
     gathered = [None] * world
     dist.all_gather_object(gathered, report["bytes"])
     if rank == 0:
