@@ -1,24 +1,21 @@
 """Compile one attempt of a job (JobSpec + attempt) into what a backend runs: a Submission holding the
 WorkerSpec every node receives and the worker environment.
 
-Called by `controller.reconciler` before `Backend.submit`. Pure apart from the HMAC: the same job,
-attempt and secret always compile to the same Submission, which is what makes resubmission after a
-crash idempotent. Also home of the job-scoped token: `job_token(secret, job_id)` is an HMAC-SHA256 of
-the job id under the controller's secret, so it authorizes heartbeats for that one job only, needs no
-table, and the API checks it with `verify_job_token` (stdlib `hmac`; nothing in FastAPI/SQLAlchemy
-does this for us).
+Called by `controller.reconciler` before `Backend.submit`. Pure: the same job, attempt and secret
+always compile to the same Submission, which is what makes resubmission after a crash idempotent.
+Each worker gets the job-scoped token (`controller.tokens.job_token`, an HMAC of the job id) in
+`DEEPFLEET_TOKEN` only, never inside the stored WorkerSpec.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from typing import Any
 
 import yaml
 from deepfleet.controller.backends.base import Submission, run_name
 from deepfleet.controller.spec import FactoryEntrypoint, JobSpec, node_bounds
+from deepfleet.controller.tokens import job_token
 from deepfleet.worker.spec import (
     ATTEMPT_ENV,
     HEARTBEAT_URL_ENV,
@@ -28,20 +25,8 @@ from deepfleet.worker.spec import (
     WorkerSpec,
 )
 
-TOKEN_PREFIX = "dfj_"
-HEARTBEAT_PATH = "/api/v1/jobs/{job_id}/heartbeats"
-FAILURE_PATH = "/api/v1/jobs/{job_id}/failures"
-
-
-def job_token(secret: str, job_id: str) -> str:
-    """A bearer token that authorizes worker calls for `job_id` only."""
-    digest = hmac.new(secret.encode(), f"job:{job_id}".encode(), hashlib.sha256).hexdigest()
-    return TOKEN_PREFIX + digest[:40]
-
-
-def verify_job_token(secret: str, job_id: str, token: str) -> bool:
-    """True when `token` is `job_id`'s token (constant-time comparison)."""
-    return hmac.compare_digest(job_token(secret, job_id), token)
+HEARTBEAT_PATH = "/v1/jobs/{job_id}/heartbeats"
+FAILURE_PATH = "/v1/jobs/{job_id}/failures"
 
 
 def _factory_kwargs(entry: FactoryEntrypoint) -> tuple[dict[str, Any], int | None]:

@@ -189,6 +189,7 @@ class LocalBackend:
             self._reap(pid)
             exit_file = run / f"node-{node}.exit"
             if exit_file.exists():
+                self._reap(pid, wait_s=2.0)  # the wrapper exits right after writing the file
                 codes[node] = int(exit_file.read_text().strip() or _SIGKILLED)
                 failed_at[node] = exit_file.stat().st_mtime
             elif not _alive(pid):
@@ -242,9 +243,16 @@ class LocalBackend:
             return []
         return lines[-n:] if n is not None else lines
 
-    def _reap(self, pid: int) -> None:
+    def _reap(self, pid: int, *, wait_s: float = 0.0) -> None:
+        """Collect our own child's exit (no zombies; no 'still running' Popen left behind)."""
         proc = self._children.get(pid)
-        if proc is not None and proc.poll() is not None:
+        if proc is None:
+            return
+        try:
+            proc.wait(timeout=wait_s) if wait_s else proc.poll()
+        except subprocess.TimeoutExpired:
+            return
+        if proc.returncode is not None:
             del self._children[pid]
 
     def _kill(self, name: str, state: dict) -> None:

@@ -1,0 +1,300 @@
+"""The reconciler: the one loop that acts on backends. Desired state is in the database, observed state
+in the backend; each pass moves the one toward the other and records every transition as an event.
+
+Called by the server (`deepfleet server` runs `Reconciler.run` in a thread beside the API), by the demo
+and by tests, which call `reconcile_once(now)` with an injected time instead of sleeping.
+
+One pass:
+1. **Admit** (only the replica holding the `scheduler` lease): PENDING jobs go through
+   `controller.scheduler.admit` against per-queue quotas and the backend's capacity.
+2. **Claim** active jobs (ADMITTED, RUNNING, RESTARTING, or any with a cancel request). On PostgreSQL
+   `SELECT ... FOR UPDATE SKIP LOCKED` picks rows no other replica is claiming right now; the claim
+   itself (`claimed_by`, `claim_expires_at`) is a compare-and-set UPDATE, which is also the whole
+   mechanism on SQLite (one writer at a time makes the CAS atomic). A claim is renewed each pass and
+   expires after `lease_seconds`, so a dead replica's jobs move to a live one.
+3. **Act** on each claimed job: observe its current run, `lifecycle.decide()`, perform the action.
+
+Crash safety: before `Backend.submit` the attempt row (run name = the submit intent) is committed;
+after a crash the next owner observes first. A run that exists is adopted (the backend's submit is
+idempotent on the deterministic name); `NOT_FOUND` after a recorded intent resubmits the same name.
+So a crash at any point neither loses a job nor starts it twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from deepfleet.controller import lifecycle, scheduler
+from deepfleet.controller.backends.base import Backend, BackendError, Observation, RunPhase
+from deepfleet.controller.compile import compile_submission
+from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
+from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
+from deepfleet.controller.spec import JobSpec
+from deepfleet.worker.spec import FailureClass
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_LEASE = "scheduler"
+# Phases the reconciler works on (PENDING only when a cancel was requested; admission handles the rest).
+CLAIMABLE = (Phase.ADMITTED.value, Phase.RUNNING.value, Phase.RESTARTING.value)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class ReconcilerConfig:
+    """How one reconciler replica behaves."""
+
+    replica_id: str
+    controller_url: str  # where workers post heartbeats
+    secret: str  # key of the job-scoped worker tokens
+    backend_name: str = "local"
+    capacity: scheduler.Limit = scheduler.UNLIMITED
+    lease_seconds: float = 30.0
+    aging_s: float = 600.0
+    batch: int = 100  # jobs claimed per pass
+    heartbeat_interval_s: float | None = None
+
+
+class Reconciler:
+    """Drives every job toward its desired state on one backend."""
+
+    def __init__(self, sessions: sessionmaker[Session], backend: Backend, config: ReconcilerConfig) -> None:
+        self.sessions = sessions
+        self.backend = backend
+        self.config = config
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, stop: threading.Event, *, interval_s: float = 2.0, clock: Callable[[], datetime] = utcnow) -> None:
+        """Reconcile every `interval_s` until `stop` is set. A failing pass is logged, never fatal."""
+        while not stop.is_set():
+            try:
+                self.reconcile_once(clock())
+            except Exception:  # best-effort loop: the next pass retries from the database
+                log.exception("reconcile pass failed")
+            stop.wait(interval_s)
+
+    def reconcile_once(self, now: datetime) -> None:
+        """One pass: admit (if this replica holds the scheduler lease), claim, act."""
+        if self._hold_lease(SCHEDULER_LEASE, now):
+            self._admit(now)
+        for job_id in self._claim(now):
+            self._reconcile_job(job_id, now)
+
+    # ------------------------------------------------------------------ leases and claims
+    def _hold_lease(self, name: str, now: datetime) -> bool:
+        me, until = self.config.replica_id, now + timedelta(seconds=self.config.lease_seconds)
+        with self.sessions() as s, s.begin():
+            got = s.execute(
+                update(Lease)
+                .where(Lease.name == name, or_(Lease.holder == me, Lease.expires_at < now))
+                .values(holder=me, expires_at=until, renewed_at=now)
+            ).rowcount
+            if got:
+                return True
+            if s.get(Lease, name) is not None:
+                return False
+            s.add(Lease(name=name, holder=me, expires_at=until, renewed_at=now))
+        # Two replicas inserting at once: the primary key makes one insert fail; that one is not the holder.
+        with self.sessions() as s:
+            lease = s.get(Lease, name)
+            return lease is not None and lease.holder == me
+
+    def _claimable(self, now: datetime):  # noqa: ANN202 - a SQLAlchemy boolean clause
+        me = self.config.replica_id
+        return (
+            or_(Job.phase.in_(CLAIMABLE), (Job.desired_state == "cancel_requested") & (Job.phase == Phase.PENDING.value)),
+            or_(Job.claimed_by.is_(None), Job.claimed_by == me, Job.claim_expires_at < now),
+        )
+
+    def _claim(self, now: datetime) -> list[str]:
+        """Claim up to `batch` active jobs for this replica; returns their ids (oldest first)."""
+        me, until = self.config.replica_id, now + timedelta(seconds=self.config.lease_seconds)
+        phase_clause, free_clause = self._claimable(now)
+        with self.sessions() as s, s.begin():
+            query = select(Job.id).where(phase_clause, free_clause).order_by(Job.created_at, Job.id).limit(
+                self.config.batch
+            )
+            if s.get_bind().dialect.name == "postgresql":
+                query = query.with_for_update(skip_locked=True)
+            candidates = list(s.scalars(query))
+            claimed = []
+            for job_id in candidates:
+                # Compare-and-set: only succeeds if nobody else claimed it since we looked.
+                result = s.execute(
+                    update(Job)
+                    .where(Job.id == job_id, free_clause)
+                    .values(claimed_by=me, claim_expires_at=until)
+                    .execution_options(synchronize_session=False)
+                )
+                if result.rowcount == 1:
+                    claimed.append(job_id)
+        return claimed
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, now: datetime) -> None:
+        with self.sessions() as s, s.begin():
+            query = select(Job).where(Job.phase == Phase.PENDING.value, Job.desired_state == "run")
+            if s.get_bind().dialect.name == "postgresql":
+                query = query.with_for_update(skip_locked=True)
+            pending = list(s.scalars(query))
+            if not pending:
+                return
+            wrong = [j for j in pending if j.backend != self.config.backend_name]
+            for job in wrong:
+                self._transition(s, job, Phase.FAILED, "BackendUnavailable",
+                                 f"spec.backend: {job.backend} is not configured on this controller "
+                                 f"(it runs {self.config.backend_name}); resubmit with backend "
+                                 f"{self.config.backend_name}", now)
+            pending = [j for j in pending if j.backend == self.config.backend_name]
+            used: dict[str, scheduler.Demand] = {}
+            for queue, procs, gpus in s.execute(
+                select(Job.queue, Job.world_size, Job.gpus).where(Job.phase.in_(CLAIMABLE))
+            ):
+                used[queue] = used.get(queue, scheduler.ZERO) + scheduler.Demand(procs, gpus)
+            quotas = {q.name: scheduler.Limit(q.max_processes, q.max_gpus) for q in s.scalars(select(Queue))}
+            queued = [
+                scheduler.QueuedJob(j.id, j.queue, scheduler.Priority.parse(j.priority),
+                                    scheduler.Demand(j.world_size, j.gpus), j.created_at)
+                for j in pending
+            ]
+            out = scheduler.admit(queued, used=used, capacity=self.config.capacity, quotas=quotas, now=now,
+                                  aging_s=self.config.aging_s)
+            by_id = {j.id: j for j in pending}
+            for job_id in out.admitted:
+                self._transition(s, by_id[job_id], Phase.ADMITTED, "Admitted",
+                                 f"admitted to queue {by_id[job_id].queue}", now)
+            for job_id, why in out.unschedulable.items():
+                self._transition(s, by_id[job_id], Phase.FAILED, "Unschedulable", why, now)
+
+    # ------------------------------------------------------------------ one job
+    def _reconcile_job(self, job_id: str, now: datetime) -> None:
+        with self.sessions() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.claimed_by != self.config.replica_id:
+                return
+            attempt = self._attempt(s, job)
+            observed = None
+            if attempt is not None:
+                try:
+                    observed = self.backend.observe(attempt.run_name)
+                except BackendError as e:
+                    log.warning("observe %s failed: %s", attempt.run_name, e)
+                    return
+            state = self._state(job, attempt)
+            action = lifecycle.decide(state, observed, now)
+            try:
+                self._apply(s, job, attempt, action, observed, now)
+            except BackendError as e:
+                s.rollback()
+                if e.transient:
+                    log.warning("job %s: %s failed, will retry: %s", job_id, action.kind.value, e)
+                    return
+                job = s.get(Job, job_id)
+                self._transition(s, job, Phase.FAILED, "BackendError", str(e), now)
+            if job.phase in (p.value for p in lifecycle.TERMINAL):
+                job.claimed_by, job.claim_expires_at = None, None
+            s.commit()
+
+    @staticmethod
+    def _attempt(s: Session, job: Job) -> Attempt | None:
+        return s.scalars(
+            select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.current_attempt)
+        ).one_or_none()
+
+    @staticmethod
+    def _state(job: Job, attempt: Attempt | None) -> JobState:
+        policy = job.spec.get("spec", {}).get("restartPolicy", {})
+        counted = sum(n for fc, n in (job.restart_counts or {}).items() if fc != FailureClass.PREEMPTED.value)
+        return JobState(
+            phase=Phase(job.phase),
+            attempt=job.current_attempt,
+            restarts=counted,
+            max_restarts=int(policy.get("maxRestarts", 3)),
+            backoff_seconds=float(policy.get("backoffSeconds", 5.0)),
+            cancel_requested=job.desired_state == "cancel_requested",
+            submitted=attempt is not None,
+            not_before=job.not_before,
+            last_checkpoint=(job.last_heartbeat or {}).get("last_complete_checkpoint"),
+        )
+
+    def _apply(self, s: Session, job: Job, attempt: Attempt | None, action: Action,
+               observed: Observation | None, now: datetime) -> None:
+        if action.kind is Kind.NOTHING:
+            job.claim_expires_at = now + timedelta(seconds=self.config.lease_seconds)
+            return
+        if action.kind is Kind.SUBMIT:
+            self._submit(s, job, attempt, action, now)
+            return
+        if attempt is not None and observed is not None:
+            _record_observation(attempt, observed, now)
+        if action.kind in (Kind.RESTART, Kind.FAIL, Kind.CANCEL) and attempt is not None:
+            self.backend.cancel(attempt.run_name)  # leftovers of a failed attempt; the whole run on cancel
+            if attempt.finished_at is None:
+                attempt.finished_at = now
+        if action.kind is Kind.RESTART:
+            fc = (observed.failure_class if observed and observed.failure_class else FailureClass.UNKNOWN).value
+            counts = dict(job.restart_counts or {})
+            counts[fc] = counts.get(fc, 0) + 1
+            job.restart_counts = counts
+            job.current_attempt += 1
+            job.not_before = action.not_before
+        if action.kind is Kind.MARK and action.phase is Phase.RUNNING and attempt is not None:
+            attempt.started_at = attempt.started_at or now
+        assert action.phase is not None
+        self._transition(s, job, action.phase, action.reason, action.message, now,
+                         data={"exit_codes": observed.exit_codes} if observed and observed.exit_codes else None)
+
+    def _submit(self, s: Session, job: Job, attempt: Attempt | None, action: Action, now: datetime) -> None:
+        spec = JobSpec.model_validate(job.spec)
+        sub = compile_submission(
+            spec, job_id=job.id, attempt=job.current_attempt, controller_url=self.config.controller_url,
+            secret=self.config.secret, heartbeat_interval_s=self.config.heartbeat_interval_s,
+        )
+        if attempt is None:
+            # The intent, committed before the backend is touched (see the module docstring).
+            attempt = Attempt(job_id=job.id, number=job.current_attempt, backend=self.backend.name,
+                              run_name=sub.name, phase=RunPhase.PENDING.value,
+                              nodes=sub.worker_spec.nodes.max, exit_codes={})
+            s.add(attempt)
+            job.claim_expires_at = now + timedelta(seconds=self.config.lease_seconds)
+            s.commit()
+        self.backend.submit(sub)
+        attempt.submitted_at = now
+        _event(s, job, action.reason, f"{action.message} as {sub.name}", now, actor=self.config.replica_id)
+
+    def _transition(self, s: Session, job: Job, phase: Phase, reason: str, message: str, now: datetime,
+                    *, data: dict | None = None) -> None:
+        src = Phase(job.phase)
+        if src is not phase:
+            lifecycle.check_transition(src, phase)
+        job.phase = phase.value
+        job.message = message
+        if phase.is_terminal():
+            job.finished_at = now
+        _event(s, job, reason, message, now, actor=self.config.replica_id, data=data)
+
+
+def _record_observation(attempt: Attempt, observed: Observation, now: datetime) -> None:
+    attempt.phase = observed.phase.value
+    attempt.exit_codes = {str(k): v for k, v in observed.exit_codes.items()}
+    if observed.failure_class is not None:
+        attempt.failure_class = observed.failure_class.value
+    if observed.message:
+        attempt.message = observed.message
+    if observed.phase in (RunPhase.SUCCEEDED, RunPhase.FAILED):
+        attempt.finished_at = attempt.finished_at or now
+
+
+def _event(s: Session, job: Job, reason: str, message: str, now: datetime, *, actor: str,
+           data: dict | None = None) -> None:
+    s.add(Event(job_id=job.id, time=now, actor=actor, type=reason, message=message, attempt=job.current_attempt,
+                data=data))
