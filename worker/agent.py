@@ -1,0 +1,246 @@
+"""Launch one node's training processes under torch.distributed.elastic, and map the outcome to the
+worker exit-code contract.
+
+Callers: `worker/cli.py` (`run(spec)`, in the worker process) and torch's elastic agent, which starts
+`python -m deepfleet.worker.agent` once per local rank (`child_main`, the training process: it runs
+the user script with runpy or the managed loop of worker/train.py and turns what it raised into an
+exit code). Built on `torch.distributed.launcher.api.elastic_launch` (torchrun's agent, c10d
+rendezvous, `--nnodes MIN:MAX`, in-place group restarts); what is ours is the environment contract
+and the exit-code mapping, which torchrun does not have (it exits 1 for any failure).
+
+Always sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch's default (workers reuse the agent's
+rendezvous TCPStore) a restarted group fails or hangs in init_process_group on this torch version
+(pytorch#135712); with it, restarts recover.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import runpy
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from deepfleet.worker.rendezvous import Rendezvous, RendezvousEnvError, resolve
+from deepfleet.worker.signals import MARKER_ENV
+from deepfleet.worker.spec import (
+    SPEC_ENV,
+    ExitCode,
+    FailureClass,
+    FailureReport,
+    ScriptEntrypoint,
+    WorkerSpec,
+    WorkerSpecError,
+    classify_exit,
+    load_worker_spec,
+    signal_exit_code,
+)
+
+# Which failure decides the worker's exit code when ranks fail differently: the root cause usually
+# fails first and differently (one rank raises, its peers then time out in a collective).
+_PRECEDENCE = [
+    FailureClass.INVALID_SPEC,
+    FailureClass.OOM,
+    FailureClass.USER_ERROR,
+    FailureClass.NODE_LOST,
+    FailureClass.COMM_FAILURE,
+    FailureClass.UNKNOWN,
+]
+_CONTRACT_CODES = {int(c) for c in ExitCode}
+
+
+def _normal_code(code: int) -> int:
+    """A child's exit status as a worker exit code: signal deaths (-N) become 128+N."""
+    return signal_exit_code(-code) if code < 0 else code
+
+
+def exit_code_for_failures(codes: Iterable[int]) -> int:
+    """The worker's exit code for a failed group, from the failed ranks' exit statuses. Pure."""
+    normal = [_normal_code(c) for c in codes if c != 0]
+    if not normal:
+        return int(ExitCode.SUCCEEDED)
+    if all(c == ExitCode.PREEMPTED for c in normal):
+        return int(ExitCode.PREEMPTED)
+    by_class = {classify_exit(c): c for c in reversed(normal)}  # first occurrence wins
+    for cls in _PRECEDENCE:
+        if cls in by_class:
+            code = by_class[cls]
+            return code if code in _CONTRACT_CODES or code > 128 else int(ExitCode.USER_ERROR)
+    return int(ExitCode.USER_ERROR)
+
+
+def exit_code_for_exception(exc: BaseException) -> int:
+    """The exit code of a training process that raised `exc`."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if isinstance(exc, WorkerSpecError) or (
+        "ConfigError" in names and type(exc).__module__.startswith("deepfleet.engine")
+    ):
+        return int(ExitCode.INVALID_SPEC)
+    if "DistError" in names or "RendezvousError" in names:
+        return int(ExitCode.COMM_FAILURE)
+    cls = classify_exit(int(ExitCode.USER_ERROR), log_tail=f"{type(exc).__name__}: {exc}")
+    return {FailureClass.OOM: ExitCode.OOM, FailureClass.COMM_FAILURE: ExitCode.COMM_FAILURE}.get(
+        cls, ExitCode.USER_ERROR
+    ).value
+
+
+# ---------------------------------------------------------------------------------------------- node side
+def launch_config(spec: WorkerSpec, rdzv: Rendezvous):
+    """torchrun's LaunchConfig for this node (the `torchrun --nnodes MIN:MAX ...` flags, as an object)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    rv = spec.rendezvous
+    return LaunchConfig(
+        min_nodes=rdzv.min_nodes,
+        max_nodes=rdzv.max_nodes,
+        nproc_per_node=rdzv.nproc_per_node,
+        run_id=rdzv.run_id,
+        role="trainer",
+        rdzv_endpoint=rdzv.endpoint,
+        rdzv_backend=rv.backend,
+        rdzv_configs={
+            "join_timeout": rv.join_timeout_s,
+            "last_call_timeout": rv.last_call_timeout_s,
+            "close_timeout": rv.close_timeout_s,
+            # Node 0 hosts the rendezvous store: say so rather than let torch guess from hostnames,
+            # which fails when the endpoint is a Service DNS name.
+            "is_host": rdzv.node_rank == 0,
+        },
+        max_restarts=spec.restart.max_restarts,
+        monitor_interval=spec.restart.monitor_interval_s,
+        start_method="spawn",
+        # SIGTERM -> workers checkpoint at their next step boundary; SIGKILL only after the grace period.
+        shutdown_timeout=math.ceil(spec.preemption.grace_period_s),
+    )
+
+
+def child_environment(spec: WorkerSpec, *, marker: Path, cpu: bool) -> dict[str, str]:
+    """Variables the training processes inherit from this worker."""
+    # The worker watches the notice file itself (see _watch_notice_file): a training process that
+    # stopped on its own would look like a failure to the agent and be restarted.
+    child_spec = spec.model_copy(update={"preemption": spec.preemption.model_copy(update={"notice_file": None})})
+    env = {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        SPEC_ENV: child_spec.model_dump_json(),
+        MARKER_ENV: str(marker),
+        "DEEPFLEET_JOB_ID": spec.job_id,
+        "DEEPFLEET_ATTEMPT": str(spec.attempt),
+    }
+    if cpu:
+        env["OMP_NUM_THREADS"] = "1"
+    env.update(spec.env)
+    return env
+
+
+def _watch_notice_file(path: str, stop: threading.Event, *, interval_s: float = 0.5) -> None:
+    # Turn the notice into SIGTERM to ourselves: torch's agent then forwards it to the training
+    # processes and waits the grace period, the same path as a real SIGTERM.
+    while not stop.wait(interval_s):
+        if os.path.exists(path):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
+    """Run this node's share of the job to the end; return the worker exit code."""
+    environ = os.environ if environ is None else environ
+    try:
+        rdzv = resolve(spec, environ)
+    except RendezvousEnvError as e:
+        print(f"deepfleet-worker: {e}", file=sys.stderr)
+        return int(ExitCode.INVALID_SPEC)
+
+    import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"deepfleet-{spec.job_id}-"))
+    marker = workdir / "preempted"
+    os.environ.update(child_environment(spec, marker=marker, cpu=not torch.cuda.is_available()))
+    stop = threading.Event()
+    if spec.preemption.notice_file:
+        threading.Thread(target=_watch_notice_file, args=(spec.preemption.notice_file, stop),
+                         name="deepfleet-notice", daemon=True).start()
+    print(f"deepfleet-worker: job {spec.job_id} attempt {spec.attempt} node {rdzv.node_rank}/{rdzv.nnodes} "
+          f"({rdzv.platform}), rendezvous {rdzv.endpoint} run {rdzv.run_id}", file=sys.stderr, flush=True)
+    try:
+        elastic_launch(launch_config(spec, rdzv), sys.executable)("-u", "-m", "deepfleet.worker.agent")
+        return int(ExitCode.SUCCEEDED)
+    except ChildFailedError as e:
+        code = exit_code_for_failures(f.exitcode for f in e.failures.values())
+        print(f"deepfleet-worker: training failed ({classify_exit(code).value}, exit {code})",
+              file=sys.stderr, flush=True)
+        return code
+    except SignalException as e:
+        if marker.exists():
+            print(f"deepfleet-worker: preempted; checkpoint {marker.read_text() or '(none)'} is complete",
+                  file=sys.stderr, flush=True)
+            return int(ExitCode.PREEMPTED)
+        return signal_exit_code(int(e.sigval))
+    except RendezvousError as e:
+        print(f"deepfleet-worker: rendezvous failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return int(ExitCode.COMM_FAILURE)
+    finally:
+        stop.set()
+
+
+# ---------------------------------------------------------------------------------------------- process side
+def _run_script(entry: ScriptEntrypoint) -> None:
+    script = os.path.abspath(entry.script)
+    if not os.path.isfile(script):
+        raise WorkerSpecError([f"entrypoint.script: {entry.script!r} does not exist; give the path of the "
+                               "training script relative to the working directory"])
+    sys.argv = [script, *entry.args]
+    sys.path.insert(0, os.path.dirname(script))  # as `python script.py` would
+    runpy.run_path(script, run_name="__main__")
+
+
+def _report(spec: WorkerSpec | None, code: int, exc: BaseException) -> None:
+    if spec is None or spec.heartbeat.failure_url is None:
+        return
+    from deepfleet.worker.heartbeat import HeartbeatReporter
+
+    message = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:4000]
+    HeartbeatReporter(spec.heartbeat).report_failure(
+        FailureReport(rank=int(os.environ.get("RANK", "0")), failure_class=classify_exit(code), message=message)
+    )
+
+
+def child_main() -> int:
+    """One training process: run the entrypoint, return its exit code (the contract's, not Python's)."""
+    spec: WorkerSpec | None = None
+    try:
+        spec = load_worker_spec()
+        if isinstance(spec.entrypoint, ScriptEntrypoint):
+            _run_script(spec.entrypoint)
+        else:
+            from deepfleet.worker.train import run_managed
+
+            run_managed(spec)
+        return int(ExitCode.SUCCEEDED)
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            return int(ExitCode.SUCCEEDED)
+        if isinstance(e.code, int) and e.code in _CONTRACT_CODES:
+            return e.code
+        print(f"training exited with {e.code!r}", file=sys.stderr, flush=True)
+        return int(ExitCode.USER_ERROR)
+    except BaseException as e:  # the training code's failure becomes an exit code and a report
+        code = exit_code_for_exception(e)
+        if isinstance(e, WorkerSpecError):
+            print(f"deepfleet-worker: {e}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+        _report(spec, code, e)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

@@ -1,0 +1,61 @@
+"""`deepfleet-worker`: the process every backend starts once per node.
+
+Caller: the console script `deepfleet-worker` (pyproject), started by the local, Kubernetes and Azure ML
+backends. Reads the WorkerSpec from `--spec` (JSON text or a .json/.yaml path) or from
+`DEEPFLEET_WORKER_SPEC`, then hands it to `worker/agent.py`. The process's exit status is the worker
+exit-code contract (DESIGN.md): an invalid spec prints one line per problem naming the field and exits
+64 without a traceback. argparse (stdlib) rather than typer: usage errors must exit 64, not 2, and
+this entry point must start without the CLI stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from deepfleet.worker.spec import ExitCode, WorkerSpecError, load_worker_spec
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"deepfleet-worker: {message}; see deepfleet-worker --help", file=sys.stderr)
+        raise SystemExit(int(ExitCode.INVALID_SPEC))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="deepfleet-worker",
+        description="Run one node of a deepfleet training job under torch's elastic agent.",
+    )
+    p.add_argument("--spec", help="WorkerSpec as JSON text or a .json/.yaml path (default: $DEEPFLEET_WORKER_SPEC)")
+    p.add_argument("--check", action="store_true", help="validate the spec and the node environment, then exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        spec = load_worker_spec(args.spec)
+    except WorkerSpecError as e:
+        for line in e.errors:
+            print(f"deepfleet-worker: invalid spec: {line}", file=sys.stderr)
+        return int(ExitCode.INVALID_SPEC)
+    if args.check:
+        from deepfleet.worker.rendezvous import RendezvousEnvError, resolve
+
+        try:
+            rdzv = resolve(spec, os.environ)
+        except RendezvousEnvError as e:
+            print(f"deepfleet-worker: {e}", file=sys.stderr)
+            return int(ExitCode.INVALID_SPEC)
+        print(f"ok: job {spec.job_id} attempt {spec.attempt}, node {rdzv.node_rank} of {rdzv.nnodes} "
+              f"({rdzv.platform}), {rdzv.nproc_per_node} process(es), rendezvous {rdzv.endpoint}")
+        return int(ExitCode.SUCCEEDED)
+    from deepfleet.worker.agent import run
+
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
