@@ -1,0 +1,196 @@
+"""Optimizers named by the engine config's `optimizer` section.
+
+Called by `deepfleet.engine.build` (`build_optimizer(param_groups, config.optimizer)`) after the ZeRO
+strategy has mapped the user's param groups onto the tensors the optimizer updates. Adam, AdamW,
+SGD and Adagrad are torch's own classes (multi-tensor `foreach` path); DeepSpeed's `"Adam"` means
+decoupled weight decay unless `adam_w_mode` is false, so it maps to `torch.optim.AdamW` by default.
+`torch_adam` only chose between DeepSpeed's fused kernel and torch's class; the update is the same.
+
+Lamb and Lion are not in torch, so they are written here as `torch.optim.Optimizer` subclasses:
+per-group hyper-parameters, state in `self.state` (so `state_dict()`/`load_state_dict()` and
+`torch.distributed.checkpoint` work as for torch's optimizers), and a multi-tensor step on
+`torch._foreach_*` ops (the same ops torch's own optimizers use) with a per-tensor fallback.
+Lamb's trust ratio needs whole-parameter norms: for DTensor parameters (ZeRO-3) the norm is reduced
+over the shards; for plain tensors it is the norm of the tensor the optimizer holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from deepfleet.engine.config_optim import (
+    AdagradConfig,
+    AdamConfig,
+    AdamWConfig,
+    LambConfig,
+    LionConfig,
+    OptimizerConfig,
+    SGDConfig,
+)
+from torch.distributed.tensor import DTensor
+
+__all__ = ["Lamb", "Lion", "build_optimizer"]
+
+
+def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer `config` names, over `param_groups` (tensors or dicts; per-group keys override `config`)."""
+    groups = list(param_groups)
+    p = config.params
+    if isinstance(config, (AdamConfig, AdamWConfig)):
+        decoupled = isinstance(config, AdamWConfig) or p.adam_w_mode
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        return cls(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay, amsgrad=p.amsgrad,
+                   foreach=True)
+    if isinstance(config, SGDConfig):
+        return torch.optim.SGD(groups, lr=p.lr, momentum=p.momentum, dampening=p.dampening,
+                               weight_decay=p.weight_decay, nesterov=p.nesterov, foreach=True)
+    if isinstance(config, AdagradConfig):
+        return torch.optim.Adagrad(groups, lr=p.lr, lr_decay=p.lr_decay, weight_decay=p.weight_decay,
+                                   initial_accumulator_value=p.initial_accumulator_value, eps=p.eps, foreach=True)
+    if isinstance(config, LambConfig):
+        return Lamb(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
+                    bias_correction=p.bias_correction, eps_inside_sqrt=p.eps_inside_sqrt,
+                    max_coeff=p.max_coeff, min_coeff=p.min_coeff)
+    if isinstance(config, LionConfig):
+        return Lion(groups, lr=p.lr, betas=p.betas, weight_decay=p.weight_decay)
+    raise TypeError(f"build_optimizer: unsupported optimizer config {type(config).__name__}")
+
+
+def _params_with_grad(group: dict) -> list[torch.Tensor]:
+    params = [p for p in group["params"] if p.grad is not None]
+    for p in params:
+        if p.grad.is_sparse:
+            raise RuntimeError("sparse gradients are not supported; use dense embeddings")
+    return params
+
+
+def _check_hparams(lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+    if lr < 0:
+        raise ValueError(f"lr: must be >= 0, got {lr}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas: each must be in [0, 1), got {betas}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay: must be >= 0, got {weight_decay}")
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each whole tensor (DTensor shards reduced to the full parameter's norm), shape (n,)."""
+    norms = []
+    for n in torch._foreach_norm(tensors):
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    return torch.stack([n.double() for n in norms])  # a handful of scalars; float64 keeps ratios exact
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB: Adam's update rescaled per tensor by the trust ratio ||w|| / ||update|| (You et al., 2019).
+
+    Per tensor, with m and v the bias-corrected moment estimates:
+    ``u = m / (sqrt(v) + eps) + weight_decay * w``; ``r = clamp(||w|| / ||u||, min_coeff, max_coeff)``
+    (1 when either norm is 0); ``w -= lr * r * u``. Defaults are DeepSpeed's FusedLamb defaults.
+    """
+
+    def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
+                 eps_inside_sqrt: bool = False, max_coeff: float = 10.0, min_coeff: float = 0.01,
+                 foreach: bool = True) -> None:
+        _check_hparams(lr, betas, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff, foreach=foreach)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = _params_with_grad(group)
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            chunks = [params] if group["foreach"] else [[p] for p in params]
+            for chunk in chunks:
+                self._update(chunk, group)
+        return loss
+
+    def _update(self, params: list[torch.Tensor], group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        grads = [p.grad for p in params]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1.0)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)            # m = b1 m + (1 - b1) g
+        torch._foreach_mul_(exp_avg_sqs, beta2)                        # v = b2 v + (1 - b2) g^2
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        if group["bias_correction"]:
+            counts = [float(s) for s in steps]
+            m_hat = torch._foreach_div(exp_avgs, [1.0 - beta1**t for t in counts])
+            v_hat = torch._foreach_div(exp_avg_sqs, [1.0 - beta2**t for t in counts])
+        else:
+            m_hat, v_hat = exp_avgs, exp_avg_sqs
+        if group["eps_inside_sqrt"]:
+            denom = torch._foreach_sqrt(torch._foreach_add(v_hat, group["eps"]))
+        else:
+            denom = torch._foreach_add(torch._foreach_sqrt(v_hat), group["eps"])
+        update = torch._foreach_div(m_hat, denom)
+        if group["weight_decay"]:
+            torch._foreach_add_(update, params, alpha=group["weight_decay"])
+        w_norm, u_norm = _norms(params), _norms(update)                 # (n,), (n,)
+        ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
+        ratio = ratio.clamp(group["min_coeff"], group["max_coeff"])
+        torch._foreach_mul_(update, ratio.tolist())  # one host sync per step, not per tensor
+        torch._foreach_add_(params, update, alpha=-group["lr"])
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion: the sign of an interpolated momentum (Chen et al., 2023).
+
+    ``c = b1 * m + (1 - b1) * g``; ``w = w * (1 - lr * weight_decay) - lr * sign(c)``;
+    ``m = b2 * m + (1 - b2) * g``. Defaults are DeepSpeed's FusedLion defaults.
+    """
+
+    def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, foreach: bool = True) -> None:
+        _check_hparams(lr, betas, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=foreach))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = _params_with_grad(group)
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            chunks = [params] if group["foreach"] else [[p] for p in params]
+            for chunk in chunks:
+                self._update(chunk, group)
+        return loss
+
+    def _update(self, params: list[torch.Tensor], group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        grads = [p.grad for p in params]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
+        direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)   # c = b1 m + (1 - b1) g
+        torch._foreach_sign_(direction)
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(params, direction, alpha=-group["lr"])
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)               # m = b2 m + (1 - b2) g

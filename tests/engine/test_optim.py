@@ -1,0 +1,203 @@
+"""deepfleet.engine.optim: DeepSpeed's optimizer semantics, and Lamb/Lion against per-element formulas."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from deepfleet.engine.config import load_config
+from deepfleet.engine.optim import Lamb, Lion, build_optimizer
+
+torch.set_num_threads(1)
+
+
+def _optimizer_config(section: dict):
+    return load_config({"train_batch_size": 1, "optimizer": section}).optimizer
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(3, 5), (7,), (2, 1, 3)]  # odd shapes, one of them 3-D
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in shapes]
+
+
+def _grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
+
+
+# --------------------------------------------------------------------------- naive references
+
+
+def _naive_lamb(weights, grads_per_step, *, lr, b1, b2, eps, wd, bias_correction=True, eps_inside_sqrt=False,
+                max_coeff=10.0, min_coeff=0.01):
+    ws = [w.flatten().tolist() for w in weights]
+    ms = [[0.0] * len(w) for w in ws]
+    vs = [[0.0] * len(w) for w in ws]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for w, m, v, g in zip(ws, ms, vs, [g.flatten().tolist() for g in grads], strict=True):
+            u = []
+            for i in range(len(w)):
+                m[i] = b1 * m[i] + (1 - b1) * g[i]
+                v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i]
+                mh = m[i] / (1 - b1**t) if bias_correction else m[i]
+                vh = v[i] / (1 - b2**t) if bias_correction else v[i]
+                den = math.sqrt(vh + eps) if eps_inside_sqrt else math.sqrt(vh) + eps
+                u.append(mh / den + wd * w[i])
+            w_norm = math.sqrt(sum(x * x for x in w))
+            u_norm = math.sqrt(sum(x * x for x in u))
+            ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+            ratio = min(max(ratio, min_coeff), max_coeff)
+            for i in range(len(w)):
+                w[i] -= lr * ratio * u[i]
+    return ws
+
+
+def _naive_lion(weights, grads_per_step, *, lr, b1, b2, wd):
+    ws = [w.flatten().tolist() for w in weights]
+    ms = [[0.0] * len(w) for w in ws]
+    for grads in grads_per_step:
+        for w, m, g in zip(ws, ms, [g.flatten().tolist() for g in grads], strict=True):
+            for i in range(len(w)):
+                c = b1 * m[i] + (1 - b1) * g[i]
+                sign = (c > 0) - (c < 0)
+                w[i] = w[i] - lr * (sign + wd * w[i])
+                m[i] = b2 * m[i] + (1 - b2) * g[i]
+    return ws
+
+
+def _run(opt: torch.optim.Optimizer, params, steps: int) -> list[list[float]]:
+    for step in range(steps):
+        for p, g in zip(params, _grads(step, params), strict=True):
+            p.grad = g
+        opt.step()
+    return [p.detach().flatten().tolist() for p in params]
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
+        dict(lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+        dict(lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.01, eps_inside_sqrt=True, bias_correction=False),
+        dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_coeff=0.3, min_coeff=0.2),
+    ],
+)
+def test_lamb_matches_per_element_formula(kwargs: dict, foreach: bool) -> None:
+    params = _params()
+    initial = [p.detach().clone() for p in params]
+    got = _run(Lamb(params, foreach=foreach, **kwargs), params, steps=4)
+    b1, b2 = kwargs["betas"]
+    want = _naive_lamb(initial, [_grads(s, params) for s in range(4)], lr=kwargs["lr"], b1=b1, b2=b2,
+                       eps=kwargs["eps"], wd=kwargs["weight_decay"],
+                       bias_correction=kwargs.get("bias_correction", True),
+                       eps_inside_sqrt=kwargs.get("eps_inside_sqrt", False),
+                       max_coeff=kwargs.get("max_coeff", 10.0), min_coeff=kwargs.get("min_coeff", 0.01))
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=1e-10, abs=1e-12)
+
+
+def test_lamb_trust_ratio_is_one_for_zero_weights() -> None:
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    p.grad = torch.tensor([1.0, -2.0, 3.0, -4.0], dtype=torch.float64)
+    Lamb([p], lr=0.1, min_coeff=0.01, max_coeff=10.0).step()
+    # first step, bias-corrected: update = g / (|g| + eps) ~ sign(g); ratio 1 because ||w|| = 0
+    assert p.detach().tolist() == pytest.approx([-0.1, 0.1, -0.1, 0.1], rel=1e-6)
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("kwargs", [dict(lr=0.01, betas=(0.9, 0.99), weight_decay=0.0),
+                                    dict(lr=0.003, betas=(0.95, 0.98), weight_decay=0.5)])
+def test_lion_matches_per_element_formula(kwargs: dict, foreach: bool) -> None:
+    params = _params(1)
+    initial = [p.detach().clone() for p in params]
+    got = _run(Lion(params, foreach=foreach, **kwargs), params, steps=5)
+    b1, b2 = kwargs["betas"]
+    want = _naive_lion(initial, [_grads(s, params) for s in range(5)], lr=kwargs["lr"], b1=b1, b2=b2,
+                       wd=kwargs["weight_decay"])
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=1e-12, abs=1e-14)
+
+
+@pytest.mark.parametrize("cls", [Lamb, Lion])
+def test_state_dict_round_trip_continues_identically(cls) -> None:
+    params_a, params_b = _params(2), _params(2)
+    opt_a = cls(params_a, lr=0.01, weight_decay=0.1)
+    _run(opt_a, params_a, steps=3)
+    saved = copy.deepcopy(opt_a.state_dict())  # as if written to disk: no tensors shared with opt_a
+    with torch.no_grad():
+        for a, b in zip(params_a, params_b, strict=True):
+            b.copy_(a)
+    opt_b = cls(params_b, lr=0.5)  # wrong hyper-parameters on purpose: load_state_dict restores them
+    opt_b.load_state_dict(saved)
+    assert opt_b.param_groups[0]["lr"] == 0.01
+    assert float(opt_b.state[params_b[0]]["step"]) == 3.0
+    for step in (3, 4):
+        for opt, params in ((opt_a, params_a), (opt_b, params_b)):
+            for p, g in zip(params, _grads(step, params), strict=True):
+                p.grad = g
+            opt.step()
+    for a, b in zip(params_a, params_b, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_deepspeed_adam_is_decoupled_by_default_and_coupled_with_adam_w_mode_false() -> None:
+    lr, wd, eps = 0.1, 0.5, 1e-8
+    w0, g = torch.tensor([1.0, -2.0], dtype=torch.float64), torch.tensor([0.5, 0.25], dtype=torch.float64)
+
+    def one_step(section: dict) -> torch.Tensor:
+        p = torch.nn.Parameter(w0.clone())
+        opt = build_optimizer([p], _optimizer_config(section))
+        p.grad = g.clone()
+        opt.step()
+        return p.detach()
+
+    params = {"lr": lr, "weight_decay": wd, "eps": eps}
+    # After one bias-corrected step m_hat = g and v_hat = g^2, so the Adam direction is g / (|g| + eps).
+    decoupled = w0 * (1 - lr * wd) - lr * g / (g.abs() + eps)
+    coupled_grad = g + wd * w0
+    coupled = w0 - lr * coupled_grad / (coupled_grad.abs() + eps)
+    assert torch.allclose(one_step({"type": "Adam", "params": params}), decoupled)
+    assert torch.allclose(one_step({"type": "AdamW", "params": params}), decoupled)
+    assert torch.allclose(one_step({"type": "adam", "params": {**params, "adam_w_mode": False}}), coupled)
+    assert torch.allclose(one_step({"type": "Adam", "params": {**params, "torch_adam": True}}), decoupled)
+
+
+def test_build_optimizer_classes_defaults_and_foreach() -> None:
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    adam = build_optimizer(p, _optimizer_config({"type": "Adam"}))
+    assert type(adam) is torch.optim.AdamW and adam.defaults["weight_decay"] == 0.0 and adam.defaults["foreach"]
+    torch_adamw = build_optimizer(p, _optimizer_config({"type": "AdamW", "params": {"torch_adam": True}}))
+    assert torch_adamw.defaults["weight_decay"] == 0.01  # torch AdamW's default, as DeepSpeed gets it
+    plain = build_optimizer(p, _optimizer_config({"type": "Adam", "params": {"adam_w_mode": False}}))
+    assert type(plain) is torch.optim.Adam
+    sgd = build_optimizer(p, _optimizer_config({"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9,
+                                                                             "nesterov": True}}))
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"]
+    adagrad = build_optimizer(p, _optimizer_config({"type": "Adagrad"}))
+    assert type(adagrad) is torch.optim.Adagrad and adagrad.defaults["lr"] == 0.01 and adagrad.defaults["foreach"]
+    assert type(build_optimizer(p, _optimizer_config({"type": "LAMB"}))) is Lamb
+    lion = build_optimizer(p, _optimizer_config({"type": "lion"}))
+    assert type(lion) is Lion and lion.defaults["betas"] == (0.9, 0.999) and lion.defaults["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("kind", ["Adam", "SGD", "Adagrad", "Lamb", "Lion"])
+def test_param_groups_keep_their_overrides(kind: str) -> None:
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    groups = [{"params": [a], "weight_decay": 0.0, "name": "no_decay"}, {"params": [b], "lr": 0.5}]
+    opt = build_optimizer(groups, _optimizer_config({"type": kind, "params": {"lr": 0.01, "weight_decay": 0.1}}))
+    first, second = opt.param_groups
+    assert (first["weight_decay"], first["lr"], first["name"]) == (0.0, 0.01, "no_decay")
+    assert (second["weight_decay"], second["lr"]) == (0.1, 0.5)
+
+
+def test_groups_with_different_lrs_step_by_their_own_lr() -> None:
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer([{"params": [a]}, {"params": [b], "lr": 0.5}],
+                          _optimizer_config({"type": "Lion", "params": {"lr": 0.1}}))
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    opt.step()
+    assert a.tolist() == pytest.approx([-0.1, -0.1]) and b.tolist() == pytest.approx([-0.5, -0.5])
