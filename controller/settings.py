@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 ENV_PREFIX = "DEEPFLEET_"
 
@@ -46,8 +46,8 @@ class Settings(BaseModel):
     """SQLAlchemy URL (postgresql+psycopg://... in production); None: SQLite at <data_dir>/deepfleet.db."""
     logs_dir: Path | None = None
     """Where backends write `<logs_dir>/<run name>/node-<i>.log`; None: <data_dir>/logs."""
-    backend: Literal["local", "kubernetes", "azureml"] = "local"
-    """The backend the reconciler drives (jobs name theirs in spec.backend; others are refused at admission)."""
+    backends: list[Literal["local", "kubernetes", "azureml"]] = ["local"]
+    """Backends this controller runs (env: comma-separated); a job naming another is refused at submission."""
     max_request_bytes: int = Field(1_048_576, ge=1024)
     """Largest request body accepted; bigger bodies get 413."""
     token_ttl_days: float | None = Field(90.0, gt=0)
@@ -71,6 +71,13 @@ class Settings(BaseModel):
     log_max_bytes: int = Field(16 * 1_048_576, ge=1)
     """Largest log tail the API returns in one response."""
 
+    @field_validator("backends")
+    @classmethod
+    def _some_backend(cls, backends: list[str]) -> list[str]:
+        if not backends:
+            raise ValueError("no backend enabled; list at least one of local, kubernetes, azureml")
+        return list(dict.fromkeys(backends))
+
     @property
     def db_url(self) -> str:
         """The effective database URL."""
@@ -92,7 +99,7 @@ class Settings(BaseModel):
         for name in cls.model_fields:
             key = ENV_PREFIX + name.upper()
             if key in env and env[key] != "":
-                values[name] = env[key]
+                values[name] = env[key].split(",") if name == "backends" else env[key]
         if "database_url" not in values and env.get("DATABASE_URL"):
             values["database_url"] = env["DATABASE_URL"]
         if "data_dir" not in values:

@@ -36,6 +36,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 ROLES = ("admin", "member", "viewer")
 DESIRED_STATES = ("run", "cancel_requested")
 PRIORITIES = ("low", "normal", "high")
+# The values of `controller.lifecycle.Phase`, repeated here because the API (which must not reach the
+# backends that lifecycle imports) filters and counts by phase; a test keeps the two identical.
+JOB_PHASES = ("PENDING", "ADMITTED", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
+TERMINAL_PHASES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 
 # Deterministic constraint names, so autogenerate and downgrades see the same names on every database.
 NAMING = {

@@ -4,6 +4,7 @@ per test (cloned from a migrated template, ~0.1 s), and settings/app/client buil
 from __future__ import annotations
 
 import uuid
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,12 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from tests.controller.pg import postgres_cluster
+
+# Starlette's TestClient prefers the httpx2 package and warns (deprecation) when it falls back to httpx,
+# which the controller extra installs. Import it once here with only that warning silenced.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient` is deprecated")
+    from fastapi.testclient import TestClient
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +67,29 @@ def db_url(pg_url: str, migrated_template: str) -> Iterator[str]:
     _admin(pg_url, f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"')
     yield _db_url(pg_url, name)
     _admin(pg_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+ADMIN_TOKEN = "dft_0123456789ab_" + "s" * 32
+
+
+@pytest.fixture()
+def settings(db_url: str, tmp_path):
+    """Settings on the per-test Postgres database (already migrated), logs under tmp_path."""
+    from deepfleet.controller.settings import Settings
+
+    return Settings(data_dir=tmp_path, database_url=db_url, migrate_on_start=False, secret="test-secret",
+                    admin_token=ADMIN_TOKEN, admin_project="research", max_request_bytes=64 * 1024)
+
+
+@pytest.fixture()
+def app(settings):
+    from deepfleet.controller.app import create_app
+
+    return create_app(settings, log_poll_s=0.02)
+
+
+@pytest.fixture()
+def client(app):
+    """A TestClient with the lifespan run (bootstrap admin token of project "research" ensured)."""
+    with TestClient(app) as c:
+        yield c

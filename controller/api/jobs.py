@@ -1,0 +1,257 @@
+"""/v1/jobs: submit, list, get, cancel, events, logs and metrics of a project's jobs.
+
+Mounted by `create_app`. Handlers record intent only: a submit stores a PENDING job, a cancel sets
+the desired state; the reconciler does the rest. Every change writes an event (who, when).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from deepfleet.controller.api.deps import (
+    ApiError,
+    PrincipalDep,
+    SessionDep,
+    SettingsDep,
+    project_job,
+    require,
+)
+from deepfleet.controller.api.logs import follow, tail_bytes
+from deepfleet.controller.api.schemas import (
+    ErrorBody,
+    EventList,
+    EventOut,
+    JobDetail,
+    JobList,
+    JobSummary,
+    MetricPoint,
+    Metrics,
+)
+from deepfleet.controller.db import jobs as store
+from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
+from deepfleet.controller.spec import JobSpec, SpecError, parse_job_yaml, validate_job
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
+PhaseParam = Literal[JOB_PHASES]  # type: ignore[valid-type]
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "Missing, invalid or expired token."},
+    404: {"model": ErrorBody, "description": "No such job in the token's project."},
+}
+
+
+def _spec_request_body() -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "description": "A TrainingJob document (see `deepfleet schema`), as YAML or JSON.",
+            "content": {
+                "application/yaml": {"schema": {"type": "string"}},
+                "application/json": {"schema": {"$ref": "#/components/schemas/TrainingJob"}},
+            },
+        }
+    }
+
+
+def _parse_body(body: bytes, content_type: str) -> JobSpec:
+    media = content_type.split(";")[0].strip().lower()
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "body is not UTF-8 text; send the job as UTF-8 YAML or JSON") from None
+    try:
+        if media == "application/json":
+            try:
+                document = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise SpecError([f"(document): malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}; "
+                                 "fix the syntax"]) from None
+            return validate_job(document)
+        if media in YAML_TYPES or media == "":
+            return parse_job_yaml(text)
+    except SpecError as e:
+        raise ApiError(422, "invalid job spec", errors=e.errors) from None
+    raise ApiError(415, f"unsupported content type {media!r}; send application/yaml or application/json")
+
+
+@router.post(
+    "", status_code=201, response_model=JobDetail, openapi_extra=_spec_request_body(),
+    responses={**ERRORS, 403: {"model": ErrorBody}, 413: {"model": ErrorBody}, 415: {"model": ErrorBody},
+               422: {"model": ErrorBody}},
+    summary="Submit a job",
+)
+async def submit_job(request: Request, principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> JobDetail:
+    require(principal, "member", "submit jobs")
+    body = await request.body()
+    spec = await run_in_threadpool(_parse_body, body, request.headers.get("content-type", ""))
+    if spec.metadata.project != principal.project:
+        raise ApiError(403, "token project mismatch", errors=[
+            f"metadata.project: this token belongs to project {principal.project!r}, not "
+            f"{spec.metadata.project!r}; submit with a token of that project or change metadata.project"])
+
+    def create() -> JobDetail:
+        try:
+            job = store.create_job(session, spec, actor=principal.actor, backends=settings.backends)
+        except store.UnknownReference as e:
+            raise ApiError(422, "invalid job spec", errors=e.errors) from None
+        session.commit()
+        return JobDetail.of(job)
+
+    return await run_in_threadpool(create)
+
+
+def _encode_cursor(job: Job) -> str:
+    raw = json.dumps([job.created_at.isoformat(), job.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        created, job_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        when = datetime.fromisoformat(created)
+        if when.tzinfo is None or not isinstance(job_id, str):
+            raise ValueError(cursor)
+        return when, job_id
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise ApiError(422, "invalid cursor", errors=[
+            "query.cursor: not a cursor from this API; pass the next_cursor of a previous page"]) from None
+
+
+def _labels(label: list[str]) -> dict[str, str]:
+    out = {}
+    for i, item in enumerate(label):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ApiError(422, "invalid label filter", errors=[f"query.label[{i}]: {item!r} is not key=value; "
+                                                                "write it like team=nlp"])
+        out[key] = value
+    return out
+
+
+@router.get("", response_model=JobList, responses={**ERRORS, 422: {"model": ErrorBody}}, summary="List jobs")
+def list_jobs(
+    principal: PrincipalDep,
+    session: SessionDep,
+    project: Annotated[str | None, Query(description="Only this project (must be the token's own).")] = None,
+    phase: Annotated[PhaseParam | None, Query(description="Only jobs in this phase.")] = None,
+    queue: Annotated[str | None, Query(max_length=63)] = None,
+    name: Annotated[str | None, Query(max_length=63)] = None,
+    label: Annotated[list[str], Query(description="key=value; repeat to require several.")] = [],  # noqa: B006
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page.")] = None,
+) -> JobList:
+    if project is not None and project != principal.project:
+        return JobList(items=[], total=0, next_cursor=None)  # another project's jobs are invisible
+    f = store.JobFilter(project=principal.project, phase=phase, queue=queue, labels=_labels(label), name=name)
+    after = _decode_cursor(cursor) if cursor else None
+    rows, total = store.list_jobs(session, f, limit=limit, after=after)
+    next_cursor = _encode_cursor(rows[-1]) if len(rows) == limit else None
+    return JobList(items=[JobSummary.of(j) for j in rows], total=total, next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", response_model=JobDetail, responses=ERRORS, summary="Get a job")
+def get_job(job_id: str, principal: PrincipalDep, session: SessionDep) -> JobDetail:
+    return JobDetail.of(project_job(session, principal, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel", status_code=202, response_model=JobSummary,
+    responses={**ERRORS, 403: {"model": ErrorBody}, 409: {"model": ErrorBody}}, summary="Request a cancel",
+)
+def cancel_job(job_id: str, principal: PrincipalDep, session: SessionDep) -> JobSummary:
+    job = project_job(session, principal, job_id)
+    require(principal, "member", "cancel jobs")
+    try:
+        store.request_cancel(session, job, actor=principal.actor)
+    except store.Conflict as e:
+        raise ApiError(409, str(e)) from None
+    session.commit()
+    return JobSummary.of(job)
+
+
+@router.get("/{job_id}/events", response_model=EventList, responses=ERRORS, summary="A job's events")
+def job_events(
+    job_id: str, principal: PrincipalDep, session: SessionDep,
+    after: Annotated[int, Query(ge=0, le=2**62, description="Only events with a larger id.")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> EventList:
+    job = project_job(session, principal, job_id)
+    rows = session.scalars(
+        select(Event).where(Event.job_id == job.id, Event.id > after).order_by(Event.id).limit(limit)
+    ).all()
+    return EventList(items=[EventOut.of(e) for e in rows], next_after=rows[-1].id if len(rows) == limit else None)
+
+
+@router.get("/{job_id}/metrics", response_model=Metrics, responses=ERRORS, summary="A job's training metrics")
+def job_metrics(
+    job_id: str, principal: PrincipalDep, session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> Metrics:
+    job = project_job(session, principal, job_id)
+    rows = session.scalars(
+        select(Heartbeat).where(Heartbeat.job_id == job.id).order_by(Heartbeat.id.desc()).limit(limit)
+    ).all()
+    return Metrics(job_id=job.id, points=[MetricPoint.of(r) for r in reversed(rows)])
+
+
+def _log_path(request: Request, session: Any, job: Job, *, attempt: int | None, node: int) -> Path:
+    number = job.current_attempt if attempt is None else attempt
+    run = session.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == number)).one_or_none()
+    if run is None:
+        raise ApiError(404, f"job {job.id} has no attempt {number} yet; no logs to show")
+    return request.app.state.log_locator(run.run_name, node)
+
+
+@router.get(
+    "/{job_id}/logs", response_class=PlainTextResponse, responses=ERRORS,
+    summary="A job's log (one node of one attempt); tail it or follow it",
+)
+def job_logs(
+    job_id: str, request: Request, principal: PrincipalDep, session: SessionDep, settings: SettingsDep,
+    node: Annotated[int, Query(ge=0, le=100_000)] = 0,
+    attempt: Annotated[int | None, Query(ge=0, le=1_000_000, description="Default: the current attempt.")] = None,
+    tail: Annotated[int | None, Query(ge=0, le=1_000_000, description="Only the last N lines.")] = None,
+    follow_: Annotated[bool, Query(alias="follow", description="Keep streaming until the job finishes.")] = False,
+) -> StreamingResponse:
+    job = project_job(session, principal, job_id)
+    path = _log_path(request, session, job, attempt=attempt, node=node)
+    head, offset = (b"", 0)
+    if path.exists():
+        head, offset = tail_bytes(path, lines=tail, max_bytes=settings.log_max_bytes)
+    elif not follow_:
+        raise ApiError(404, f"no log for node {node} of job {job.id} yet")
+    if not follow_:
+        return PlainTextResponse(head.decode("utf-8", errors="replace"))
+    job_key = job.id
+
+    async def finished() -> bool:
+        return await run_in_threadpool(_is_finished, request.app.state.sessions, job_key)
+
+    async def stream():  # noqa: ANN202 - an async generator of bytes
+        if head:
+            yield head
+        async for chunk in follow(path, offset=offset, finished=finished,
+                                  poll_s=request.app.state.log_poll_s):
+            if await request.is_disconnected():
+                return
+            yield chunk
+
+    return StreamingResponse(stream(), media_type="text/plain; charset=utf-8")
+
+
+def _is_finished(sessions: Any, job_id: str) -> bool:
+    with sessions() as session:
+        phase = session.scalar(select(Job.phase).where(Job.id == job_id))
+        return phase is None or phase in TERMINAL_PHASES
+

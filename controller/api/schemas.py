@@ -1,0 +1,177 @@
+"""Response and request bodies of the REST API (the JobSpec itself comes from `controller.spec`, the
+worker's Heartbeat/FailureReport from `deepfleet.worker.spec`).
+
+Used by the routers in `controller/api` and, through the published OpenAPI document, by the CLI's
+HTTP client and the web page. Field names are snake_case JSON; times are UTC ISO-8601.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from deepfleet.controller.db.models import Attempt, Event, Heartbeat, Job
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class ErrorBody(_Out):
+    """Every 4xx answer: a summary and, for bad input, one "<field.path>: <problem>; <fix>" line each."""
+
+    detail: str
+    errors: list[str] = []
+
+
+class AttemptOut(_Out):
+    number: int
+    backend: str
+    run_name: str
+    """Deterministic backend name of the run; also the folder of its logs."""
+    phase: str
+    nodes: int | None
+    exit_codes: dict[str, int]
+    failure_class: str | None
+    message: str
+    submitted_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, row: Attempt) -> AttemptOut:
+        return cls(number=row.number, backend=row.backend, run_name=row.run_name, phase=row.phase,
+                   nodes=row.nodes, exit_codes=dict(row.exit_codes or {}), failure_class=row.failure_class,
+                   message=row.message or "", submitted_at=row.submitted_at, started_at=row.started_at,
+                   finished_at=row.finished_at)
+
+
+class JobSummary(_Out):
+    id: str
+    name: str
+    project: str
+    queue: str
+    backend: str
+    priority: str
+    phase: str
+    """PENDING, ADMITTED, RUNNING, RESTARTING, SUCCEEDED, FAILED or CANCELLED."""
+    message: str
+    """Why the job is in its phase."""
+    desired_state: Literal["run", "cancel_requested"]
+    attempt: int
+    world_size: int
+    labels: dict[str, str]
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, job: Job) -> JobSummary:
+        return cls(**_summary_fields(job))
+
+
+def _summary_fields(job: Job) -> dict[str, Any]:
+    return dict(id=job.id, name=job.name, project=job.project, queue=job.queue, backend=job.backend,
+                priority=job.priority, phase=job.phase, message=job.message or "",
+                desired_state=job.desired_state, attempt=job.current_attempt, world_size=job.world_size,
+                labels={label.key: label.value for label in job.labels}, created_at=job.created_at,
+                updated_at=job.updated_at, finished_at=job.finished_at)
+
+
+class JobDetail(JobSummary):
+    spec: dict[str, Any]
+    """The JobSpec document as submitted (immutable)."""
+    spec_version: str
+    gpus: int
+    restart_counts: dict[str, int]
+    """Restarts so far per failure class."""
+    last_heartbeat: dict[str, Any] | None
+    last_heartbeat_at: datetime | None
+    attempts: list[AttemptOut]
+
+    @classmethod
+    def of(cls, job: Job) -> JobDetail:  # type: ignore[override]
+        return cls(**_summary_fields(job), spec=job.spec, spec_version=job.spec_version, gpus=job.gpus,
+                   restart_counts=dict(job.restart_counts or {}), last_heartbeat=job.last_heartbeat,
+                   last_heartbeat_at=job.last_heartbeat_at, attempts=[AttemptOut.of(a) for a in job.attempts])
+
+
+class JobList(_Out):
+    items: list[JobSummary]
+    total: int
+    """Jobs matching the filter, over all pages."""
+    next_cursor: str | None
+    """Pass as `cursor` for the next page; null on the last page."""
+
+
+class EventOut(_Out):
+    id: int
+    time: datetime
+    actor: str
+    type: str
+    message: str
+    attempt: int | None
+
+    @classmethod
+    def of(cls, row: Event) -> EventOut:
+        return cls(id=row.id, time=row.time, actor=row.actor, type=row.type, message=row.message or "",
+                   attempt=row.attempt)
+
+
+class EventList(_Out):
+    items: list[EventOut]
+    next_after: int | None
+    """Pass as `after` to read newer events; null when this page was not full."""
+
+
+class MetricPoint(_Out):
+    time: datetime
+    attempt: int
+    step: int
+    loss: float | None
+    lr: float | None
+    grad_norm: float | None
+    tokens_per_s: float | None
+    last_complete_checkpoint: str | None
+
+    @classmethod
+    def of(cls, row: Heartbeat) -> MetricPoint:
+        return cls(time=row.time, attempt=row.attempt, step=row.step, loss=row.loss, lr=row.lr,
+                   grad_norm=row.grad_norm, tokens_per_s=row.tokens_per_s,
+                   last_complete_checkpoint=row.last_complete_checkpoint)
+
+
+class Metrics(_Out):
+    job_id: str
+    points: list[MetricPoint]
+    """Heartbeats in time order (the newest `limit`)."""
+
+
+class HeartbeatAck(_Out):
+    desired_state: Literal["run", "cancel_requested"]
+    """What the controller wants of the job now; a worker may stop early on cancel_requested."""
+
+
+class TokenCreate(BaseModel):
+    """A new API token for the caller's project."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1, max_length=128)
+    """What the token is for (shown in listings and events)."""
+    role: Literal["admin", "member", "viewer"] = "member"
+    project: str | None = Field(None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Must be the caller's project; null means the caller's project."""
+    expires_in_days: float | None = Field(None, gt=0, le=3650)
+    """Lifetime; null uses the controller's default (DEEPFLEET_TOKEN_TTL_DAYS)."""
+
+
+class TokenCreated(_Out):
+    id: str
+    name: str
+    project: str
+    role: str
+    expires_at: datetime | None
+    token: str
+    """The bearer token. Shown once: only its hash is stored."""

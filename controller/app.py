@@ -1,0 +1,119 @@
+"""`create_app(settings)`: the controller's FastAPI application (REST API under /v1, health, metrics).
+
+Called by `deepfleet server` (with uvicorn), by the demo and by tests; there is no module-level app.
+At start (lifespan) it migrates the database when `settings.migrate_on_start` is set and ensures the
+bootstrap admin token. Errors are answered as `{"detail": ..., "errors": ["<field.path>: ...; fix"]}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from deepfleet.controller.api import health, jobs, tokens, workers
+from deepfleet.controller.api.deps import ApiError
+from deepfleet.controller.api.logs import LogLocator, file_log_locator
+from deepfleet.controller.db.auth import ensure_bootstrap_token
+from deepfleet.controller.db.session import make_engine, make_session_factory
+from deepfleet.controller.settings import Settings
+from deepfleet.controller.spec import JobSpec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+API_TITLE = "deepfleet controller"
+API_VERSION = "0.1.0"
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(request)"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail, "errors": exc.errors}, status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail, "errors": []}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for err in exc.errors():
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            fix = "remove it" if err.get("type") == "extra_forbidden" else "fix the value"
+            errors.append(f"{_field_path(tuple(err.get('loc', ())))}: {msg}; {fix}")
+        return JSONResponse({"detail": "invalid request", "errors": errors}, status_code=422)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the JobSpec schemas the submit endpoint's request body references."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = spec_schema.pop("$defs", {})
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in defs.items():
+        assert name not in schemas or schemas[name] == schema, f"schema name clash: {name}"
+        schemas[name] = schema
+    schemas["TrainingJob"] = spec_schema
+    app.openapi_schema = doc
+    return doc
+
+
+def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log_poll_s: float = 0.5) -> FastAPI:
+    """The controller API bound to `settings` (database, limits, tokens).
+
+    `log_locator` maps (run name, node) to a log file; default `<logs_dir>/<run name>/node-<i>.log`.
+    """
+    engine = make_engine(settings.db_url)
+    sessions = make_session_factory(engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.migrate_on_start:
+            from deepfleet.controller.db.migrate import upgrade_head
+
+            await run_in_threadpool(upgrade_head, settings.db_url)
+        if settings.admin_token is not None:
+            token = settings.admin_token.get_secret_value()
+
+            def bootstrap() -> None:
+                with sessions() as session:
+                    ensure_bootstrap_token(session, token, project=settings.admin_project)
+                    session.commit()
+
+            await run_in_threadpool(bootstrap)
+        try:
+            yield
+        finally:
+            engine.dispose()
+
+    app = FastAPI(
+        title=API_TITLE, version=API_VERSION, lifespan=lifespan,
+        description="Submit, inspect and cancel deepfleet training jobs. Every call takes "
+                    "`Authorization: Bearer <token>`; a token sees only its own project.",
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessions = sessions
+    app.state.log_locator = log_locator or file_log_locator(settings.logs_root)
+    app.state.log_poll_s = log_poll_s
+    app.state.metrics = health.ApiMetrics(sessions)
+    _install_error_handlers(app)
+    for module in (jobs, workers, tokens, health):
+        app.include_router(module.router)
+    # Order: the body limit runs first (outermost), so oversized requests are timed as 413s too.
+    app.add_middleware(health.TimingMiddleware, metrics=app.state.metrics)
+    app.add_middleware(health.BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,61 @@
+"""API tokens in the database: create, look up a presented token, ensure the bootstrap admin token.
+
+Called by the API's auth dependency and token endpoint, and by `create_app` at start for the
+bootstrap token from settings. Formats and hashing live in `controller.tokens`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from deepfleet.controller.db.jobs import ensure_project
+from deepfleet.controller.db.models import ApiToken, utcnow
+from deepfleet.controller.tokens import hash_secret, mint_api_token, secret_matches, split_api_token
+from sqlalchemy.orm import Session
+
+
+def create_api_token(
+    session: Session, *, project: str, role: str, name: str,
+    expires_at: datetime | None, created_by: str | None,
+) -> tuple[ApiToken, str]:
+    """A new token row and the token text (shown once; only its hash is stored)."""
+    ensure_project(session, project)
+    minted = mint_api_token()
+    row = ApiToken(id=minted.id, name=name, project=project, role=role, secret_hash=minted.secret_hash,
+                   created_by=created_by, expires_at=expires_at, created_at=utcnow())
+    session.add(row)
+    session.flush()
+    return row, minted.token
+
+
+def find_api_token(session: Session, token: str, *, now: datetime | None = None) -> ApiToken | None:
+    """The live token row for a presented bearer token; None when unknown, wrong, revoked or expired."""
+    parts = split_api_token(token)
+    if parts is None:
+        return None
+    token_id, secret = parts
+    row = session.get(ApiToken, token_id)
+    if row is None or not secret_matches(secret, row.secret_hash) or row.revoked_at is not None:
+        return None
+    if row.expires_at is not None and row.expires_at <= (now or utcnow()):
+        return None
+    return row
+
+
+def ensure_bootstrap_token(session: Session, token: str, *, project: str) -> ApiToken:
+    """Make `token` (from settings) a valid admin token of `project`; idempotent. Raises ValueError."""
+    parts = split_api_token(token)
+    if parts is None:
+        raise ValueError("DEEPFLEET_ADMIN_TOKEN: not a deepfleet token; use dft_<12 hex>_<secret of 20+ chars>")
+    token_id, secret = parts
+    ensure_project(session, project)
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        row = ApiToken(id=token_id, name="bootstrap admin", project=project, role="admin",
+                       secret_hash=hash_secret(secret), created_by="settings", created_at=utcnow())
+        session.add(row)
+    else:
+        row.secret_hash, row.project, row.role, row.revoked_at, row.expires_at = (
+            hash_secret(secret), project, "admin", None, None)
+    session.flush()
+    return row

@@ -1,0 +1,196 @@
+"""Recording intent in the database: submit a job, request a cancel, store heartbeats, write events.
+
+Called by the API routers (one call per request, inside the request's session) and usable by the
+reconciler for its own events (`record_event`). Every state change writes an `Event` with who and
+when, in the same transaction as the change. Nothing here calls a backend (nor imports one: the
+API's import contract covers indirect imports too).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from deepfleet.controller.db.models import (
+    JOB_PHASES,
+    TERMINAL_PHASES,
+    Event,
+    Heartbeat,
+    Job,
+    JobLabel,
+    Project,
+    Queue,
+    utcnow,
+)
+from deepfleet.controller.spec import JobSpec, job_world_size, node_bounds
+from deepfleet.worker.spec import FailureReport
+from deepfleet.worker.spec import Heartbeat as HeartbeatReport
+from sqlalchemy import Select, and_, exists, func, or_, select
+from sqlalchemy.orm import Session
+
+
+class Conflict(ValueError):
+    """The request is valid but the job's state refuses it (e.g. cancelling a finished job)."""
+
+
+class UnknownReference(ValueError):
+    """The spec names something that does not exist here; `.errors` are field-path lines."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def record_event(
+    session: Session, job_id: str, *, actor: str, type: str, message: str = "",
+    attempt: int | None = None, data: dict[str, Any] | None = None, time: datetime | None = None,
+) -> Event:
+    """Append one audit event (committed with the caller's transaction)."""
+    event = Event(job_id=job_id, actor=actor, type=type, message=message, attempt=attempt, data=data,
+                  time=time or utcnow())
+    session.add(event)
+    return event
+
+
+def ensure_project(session: Session, name: str) -> Project:
+    """The project row, created on first use."""
+    project = session.get(Project, name)
+    if project is None:
+        project = Project(name=name)
+        session.add(project)
+        session.flush()
+    return project
+
+
+def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[str]) -> Job:
+    """Store a validated spec as a PENDING job and its Submitted event. Raises UnknownReference."""
+    s = spec.spec
+    errors = []
+    if s.backend not in backends:
+        errors.append(f"spec.backend: this controller runs {', '.join(backends)} jobs, not {s.backend}; "
+                      f"set spec.backend to one of them")
+    if session.get(Queue, s.queue) is None:
+        known = session.scalars(select(Queue.name).order_by(Queue.name)).all()
+        errors.append(f"spec.queue: queue {s.queue!r} does not exist; use one of {', '.join(known)}")
+    if errors:
+        raise UnknownReference(errors)
+    ensure_project(session, spec.metadata.project)
+    now = utcnow()
+    job = Job(
+        id=uuid.uuid4().hex,
+        name=spec.metadata.name,
+        project=spec.metadata.project,
+        queue=s.queue,
+        backend=s.backend,
+        priority=s.priority,
+        spec=spec.to_document(),
+        spec_version=spec.api_version,
+        world_size=job_world_size(spec),
+        gpus=node_bounds(spec)[1] * s.resources.gpu,
+        phase="PENDING",
+        message="waiting for admission",
+        desired_state="run",
+        current_attempt=0,
+        restart_counts={},
+        submitted_by=actor,
+        created_at=now,
+        updated_at=now,
+        labels=[JobLabel(key=k, value=v) for k, v in spec.metadata.labels.items()],
+    )
+    session.add(job)
+    session.flush()
+    record_event(session, job.id, actor=actor, type="Submitted", time=now,
+                 message=f"{s.backend} job, {job.world_size} processes, queue {s.queue}")
+    return job
+
+
+def get_job(session: Session, job_id: str, *, project: str) -> Job | None:
+    """The job if it belongs to `project` (another project's job is indistinguishable from none)."""
+    return session.scalars(select(Job).where(Job.id == job_id, Job.project == project)).one_or_none()
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    project: str
+    phase: str | None = None
+    queue: str | None = None
+    labels: dict[str, str] | None = None
+    name: str | None = None
+
+
+def _filtered(query: Select[Any], f: JobFilter) -> Select[Any]:
+    query = query.where(Job.project == f.project)
+    if f.phase:
+        query = query.where(Job.phase == f.phase)
+    if f.queue:
+        query = query.where(Job.queue == f.queue)
+    if f.name:
+        query = query.where(Job.name == f.name)
+    for key, value in (f.labels or {}).items():
+        query = query.where(exists().where(JobLabel.job_id == Job.id, JobLabel.key == key, JobLabel.value == value))
+    return query
+
+
+def list_jobs(
+    session: Session, f: JobFilter, *, limit: int, after: tuple[datetime, str] | None = None
+) -> tuple[list[Job], int]:
+    """Newest first, keyset-paginated on (created_at, id); also the total count matching the filter."""
+    query = _filtered(select(Job), f).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    if after is not None:
+        created, job_id = after
+        query = query.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id)))
+    total = session.scalar(_filtered(select(func.count(Job.id)), f)) or 0
+    return list(session.scalars(query)), total
+
+
+def request_cancel(session: Session, job: Job, *, actor: str) -> bool:
+    """Record the wish to cancel; the reconciler acts on it. False when it was already requested.
+
+    Raises Conflict for a job that already finished.
+    """
+    if job.phase in TERMINAL_PHASES:
+        raise Conflict(f"job {job.id} already finished ({job.phase}); nothing to cancel")
+    if job.desired_state == "cancel_requested":
+        return False
+    job.desired_state = "cancel_requested"
+    job.updated_at = utcnow()
+    record_event(session, job.id, actor=actor, type="CancelRequested", attempt=job.current_attempt,
+                 message="cancel requested; the controller stops every process of the job")
+    return True
+
+
+def record_heartbeat(session: Session, job: Job, report: HeartbeatReport, *, attempt: int | None = None) -> Heartbeat:
+    """Store one heartbeat and refresh the job's last-heartbeat summary."""
+    now = utcnow()
+    row = Heartbeat(
+        job_id=job.id, attempt=job.current_attempt if attempt is None else attempt, time=report.time,
+        received_at=now, step=report.step, loss=report.loss, lr=report.lr, grad_norm=report.grad_norm,
+        tokens_per_s=report.tokens_per_s, last_complete_checkpoint=report.last_complete_checkpoint,
+    )
+    session.add(row)
+    previous = (job.last_heartbeat or {}).get("last_complete_checkpoint")
+    job.last_heartbeat = report.model_dump(mode="json")
+    job.last_heartbeat_at = now
+    if report.last_complete_checkpoint and report.last_complete_checkpoint != previous:
+        record_event(session, job.id, actor="worker:0", type="CheckpointSaved", attempt=row.attempt,
+                     message=f"checkpoint {report.last_complete_checkpoint} complete at step {report.step}")
+    return row
+
+
+def record_failure_report(session: Session, job: Job, report: FailureReport) -> Event:
+    """A worker rank's last words before it exits: kept as an event for the reconciler and the user."""
+    return record_event(
+        session, job.id, actor=f"worker:{report.rank}", type="WorkerFailed", attempt=job.current_attempt,
+        message=f"rank {report.rank}: {report.failure_class.value}: {report.message}",
+        data={"rank": report.rank, "class": report.failure_class.value},
+    )
+
+
+def jobs_by_phase(session: Session) -> dict[str, int]:
+    """Count of jobs per phase (every phase listed, zeros included) for /metrics."""
+    counts = dict.fromkeys(JOB_PHASES, 0)
+    for phase, n in session.execute(select(Job.phase, func.count()).group_by(Job.phase)):
+        counts[phase] = n
+    return counts
