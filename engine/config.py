@@ -15,6 +15,7 @@ validation (types, ranges, cross-field checks) -> translate pydantic's errors to
 
 from __future__ import annotations
 
+import base64
 import copy
 import difflib
 import json
@@ -234,21 +235,19 @@ def _read_source(source: Any, errors: list[str]) -> dict | None:
     """The raw config dict, or None with `errors` explaining why it cannot be read."""
     if isinstance(source, dict):
         return copy.deepcopy(source)
-    if isinstance(source, str) and source.lstrip().startswith("{"):
-        try:
-            data = json.loads(source, object_pairs_hook=_no_duplicates("the JSON string", errors))
-        except json.JSONDecodeError as e:
-            errors.append(
-                f"config: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; fix the JSON syntax there"
-            )
-            return None
-        return _top_level(data, "the JSON string", errors)
-    if not isinstance(source, (str, Path)):
+    if isinstance(source, str) and source.lstrip()[:1] in ("{", "["):
+        return _parse_json_string(source, errors)
+    if not isinstance(source, (str, Path)) or not str(source).strip():
         errors.append(
-            f"config: expected a dict, a file path or a JSON string, got {type(source).__name__}; pass one of those"
+            f"config: expected a dict, a file path or a JSON string, got {type(source).__name__} {source!r}; "
+            "pass one of those"
         )
         return None
     path = Path(source)
+    if isinstance(source, str) and not path.exists():
+        decoded = _base64_json(source)
+        if decoded is not None:  # DeepSpeed also accepts a base64-encoded JSON config string
+            return _parse_json_string(decoded, errors)
     if not path.exists():
         errors.append(f"config: file not found: {path}; pass a path to a .json/.yaml file or a JSON object string")
         return None
@@ -278,6 +277,23 @@ def _read_source(source: Any, errors: list[str]) -> dict | None:
             errors.append(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}; fix the JSON syntax there")
             return None
     return _top_level(data, str(path), errors)
+
+
+def _parse_json_string(text: str, errors: list[str]) -> dict | None:
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates("the JSON string", errors))
+    except json.JSONDecodeError as e:
+        errors.append(f"config: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; fix the JSON syntax there")
+        return None
+    return _top_level(data, "the JSON string", errors)
+
+
+def _base64_json(text: str) -> str | None:
+    try:
+        decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
+    except (ValueError, UnicodeError):
+        return None
+    return decoded if decoded.lstrip().startswith("{") else None
 
 
 def _top_level(data: Any, where: str, errors: list[str]) -> dict | None:

@@ -9,6 +9,7 @@ because JSON writers emit bucket sizes in exponent notation). Torch-free.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -54,9 +55,11 @@ def _integer(value: Any) -> Any:
 
 
 def _number(value: Any) -> Any:
-    """Accept ints and floats; reject bools and strings with a fix."""
+    """Accept finite ints and floats; reject bools, strings, NaN and infinities with a fix."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"expected a number, got {_describe(value)}; write a number without quotes")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value!r}; write a finite number")
     return float(value)
 
 
