@@ -76,7 +76,7 @@ def bench_pass(n: int, url: str, tmp: Path) -> dict:
     rec = Reconciler(sessions, backend, ReconcilerConfig(replica_id="bench", controller_url="http://127.0.0.1:9",
                                                          secret="s", capacity=Limit(processes=4 * n)))
     start = time.perf_counter()
-    rec._hold_lease("scheduler", now)
+    rec._hold_lease("scheduler-local", now)
     rec._admit(now)
     seconds = time.perf_counter() - start
     with sessions() as s:

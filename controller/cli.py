@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from deepfleet.controller.cli_jobs import register as register_job_commands
 
 app = typer.Typer(
     name="deepfleet",
@@ -60,6 +61,9 @@ def validate(
         raise typer.Exit(EXIT_INVALID_INPUT) from None
     normalized = cfg.to_dict()
     typer.echo(json.dumps(normalized) if as_json else json.dumps(normalized, indent=2))
+
+
+register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ from deepfleet.worker.spec import (
     WorkerSpec,
 )
 
-HEARTBEAT_PATH = "/v1/jobs/{job_id}/heartbeats"
-FAILURE_PATH = "/v1/jobs/{job_id}/failures"
+HEARTBEAT_PATH = "/v1/jobs/{job_id}/heartbeat"
+FAILURE_PATH = "/v1/jobs/{job_id}/failure"
 
 
 def _factory_kwargs(entry: FactoryEntrypoint) -> tuple[dict[str, Any], int | None]:
@@ -98,7 +98,8 @@ def compile_submission(
         ATTEMPT_ENV: str(attempt),
         HEARTBEAT_URL_ENV: heartbeat_url,
         TOKEN_ENV: job_token(secret, job_id),
-        SPEC_ENV: json.dumps(ws.model_dump(mode="json")),
+        # Unset keys stay out, so the worker fills them from its environment (the token above).
+        SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)),
     }
     return Submission(
         name=run_name(spec.metadata.name, job_id, attempt),

@@ -5,8 +5,9 @@ Called by the server (`deepfleet server` runs `Reconciler.run` in a thread besid
 and by tests, which call `reconcile_once(now)` with an injected time instead of sleeping.
 
 One pass:
-1. **Admit** (only the replica holding the `scheduler` lease): PENDING jobs go through
-   `controller.scheduler.admit` against per-queue quotas and the backend's capacity.
+1. **Admit** (only the replica holding the `scheduler-<backend>` lease): PENDING jobs of this backend
+   go through `controller.scheduler.admit` against per-queue quotas and the backend's capacity.
+   (One reconciler drives one backend; a controller with several backends runs one per backend.)
 2. **Claim** active jobs (ADMITTED, RUNNING, RESTARTING, or any with a cancel request). On PostgreSQL
    `SELECT ... FOR UPDATE SKIP LOCKED` picks rows no other replica is claiming right now; the claim
    itself (`claimed_by`, `claim_expires_at`) is a compare-and-set UPDATE, which is also the whole
@@ -84,7 +85,7 @@ class Reconciler:
 
     def reconcile_once(self, now: datetime) -> None:
         """One pass: admit (if this replica holds the scheduler lease), claim, act."""
-        if self._hold_lease(SCHEDULER_LEASE, now):
+        if self._hold_lease(f"{SCHEDULER_LEASE}-{self.config.backend_name}", now):
             self._admit(now)
         for job_id in self._claim(now):
             self._reconcile_job(job_id, now)
@@ -111,6 +112,7 @@ class Reconciler:
     def _claimable(self, now: datetime):  # noqa: ANN202 - a SQLAlchemy boolean clause
         me = self.config.replica_id
         return (
+            Job.backend == self.config.backend_name,
             or_(Job.phase.in_(CLAIMABLE), (Job.desired_state == "cancel_requested") & (Job.phase == Phase.PENDING.value)),
             or_(Job.claimed_by.is_(None), Job.claimed_by == me, Job.claim_expires_at < now),
         )
@@ -118,9 +120,9 @@ class Reconciler:
     def _claim(self, now: datetime) -> list[str]:
         """Claim up to `batch` active jobs for this replica; returns their ids (oldest first)."""
         me, until = self.config.replica_id, now + timedelta(seconds=self.config.lease_seconds)
-        phase_clause, free_clause = self._claimable(now)
+        backend_clause, phase_clause, free_clause = self._claimable(now)
         with self.sessions() as s, s.begin():
-            query = select(Job.id).where(phase_clause, free_clause).order_by(Job.created_at, Job.id).limit(
+            query = select(Job.id).where(backend_clause, phase_clause, free_clause).order_by(Job.created_at, Job.id).limit(
                 self.config.batch
             )
             if s.get_bind().dialect.name == "postgresql":
@@ -142,22 +144,17 @@ class Reconciler:
     # ------------------------------------------------------------------ admission
     def _admit(self, now: datetime) -> None:
         with self.sessions() as s, s.begin():
-            query = select(Job).where(Job.phase == Phase.PENDING.value, Job.desired_state == "run")
+            query = select(Job).where(Job.phase == Phase.PENDING.value, Job.desired_state == "run",
+                                      Job.backend == self.config.backend_name)
             if s.get_bind().dialect.name == "postgresql":
                 query = query.with_for_update(skip_locked=True)
             pending = list(s.scalars(query))
             if not pending:
                 return
-            wrong = [j for j in pending if j.backend != self.config.backend_name]
-            for job in wrong:
-                self._transition(s, job, Phase.FAILED, "BackendUnavailable",
-                                 f"spec.backend: {job.backend} is not configured on this controller "
-                                 f"(it runs {self.config.backend_name}); resubmit with backend "
-                                 f"{self.config.backend_name}", now)
-            pending = [j for j in pending if j.backend == self.config.backend_name]
             used: dict[str, scheduler.Demand] = {}
             for queue, procs, gpus in s.execute(
-                select(Job.queue, Job.world_size, Job.gpus).where(Job.phase.in_(CLAIMABLE))
+                select(Job.queue, Job.world_size, Job.gpus).where(Job.phase.in_(CLAIMABLE),
+                                                                  Job.backend == self.config.backend_name)
             ):
                 used[queue] = used.get(queue, scheduler.ZERO) + scheduler.Demand(procs, gpus)
             quotas = {q.name: scheduler.Limit(q.max_processes, q.max_gpus) for q in s.scalars(select(Queue))}

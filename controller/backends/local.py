@@ -143,7 +143,7 @@ class LocalBackend:
         state = {"name": sub.name, "job_id": sub.job_id, "attempt": sub.attempt, "nodes": nodes, "port": port,
                  "pids": [], "complete": False}
         self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
-        base = {**os.environ, **sub.env, SPEC_ENV: json.dumps(ws.model_dump(mode="json")), RUN_ENV: sub.name}
+        base = {**os.environ, **sub.env, SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)), RUN_ENV: sub.name}
         try:
             for node in range(nodes):
                 env = {

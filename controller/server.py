@@ -1,0 +1,139 @@
+"""The controller process: the REST API, the web page and one reconciler per backend, in one process.
+
+Run by `deepfleet server` (which execs `python -m deepfleet.controller.server` so the CLI itself never
+imports the API, the database or a backend), by the demo and by end-to-end tests. This is the
+composition root: settings -> `create_app` -> the web router -> a `LocalBackend` and a `Reconciler`
+thread started after the app's start-up (migrations, bootstrap token) and stopped before its
+shutdown -> uvicorn on the given host and port.
+
+On a laptop no token is configured: the server mints an admin token once, keeps it in
+`<data_dir>/admin-token` (mode 0600) and reuses it on restart; the CLI finds it there. The key of
+the job tokens is kept beside it (`<data_dir>/secret`) unless DEEPFLEET_SECRET sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from deepfleet.controller.api import web
+from deepfleet.controller.app import create_app
+from deepfleet.controller.backends.local import LocalBackend
+from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
+from deepfleet.controller.scheduler import Limit
+from deepfleet.controller.settings import Settings, SettingsError
+from deepfleet.controller.tokens import mint_api_token
+from fastapi import FastAPI
+from pydantic import SecretStr
+
+log = logging.getLogger("deepfleet.controller")
+ADMIN_TOKEN_FILE = "admin-token"
+
+
+SECRET_FILE = "secret"
+
+
+def persisted(data_dir: Path, name: str, make: Callable[[], str]) -> str:
+    """A value kept in `<data_dir>/<name>` (mode 0600), made on first use and reused after a restart."""
+    path = data_dir / name
+    if path.exists():
+        return path.read_text().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    value = make()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return value
+
+
+def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker_command: list[str] | None = None,
+          heartbeat_interval_s: float | None = None, reconcile: bool = True) -> FastAPI:
+    """The app with the web page and (if `reconcile`) a local-backend reconciler bound to its lifespan."""
+    app = create_app(settings)
+    if not any(getattr(r, "path", None) == "/ui/" for r in app.routes):
+        app.include_router(web.router)
+    if not reconcile or "local" not in settings.backends:
+        return app
+    backend = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command)
+    config = ReconcilerConfig(
+        replica_id=settings.replica_id, controller_url=settings.controller_url,
+        secret=settings.secret.get_secret_value(), backend_name="local", capacity=Limit(processes=slots),
+        lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
+    )
+    reconciler = Reconciler(app.state.sessions, backend, config)
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[None]:
+        async with inner(a):
+            stop = threading.Event()
+            thread = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler", daemon=True,
+                                      kwargs={"interval_s": settings.reconcile_interval_s})
+            thread.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                thread.join(timeout=30)
+
+    app.router.lifespan_context = lifespan
+    app.state.reconciler = reconciler
+    return app
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepfleet server", description="Run the deepfleet controller.")
+    p.add_argument("--db", help="database URL (default sqlite:///<data-dir>/deepfleet.db; postgresql+psycopg://...)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--data-dir", type=Path)
+    p.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="local backend: processes at once")
+    p.add_argument("--workdir", type=Path, help="local backend: working directory of worker processes")
+    p.add_argument("--heartbeat-interval", type=float, default=None, help="seconds between worker heartbeats")
+    p.add_argument("--reconcile-interval", type=float, default=None)
+    p.add_argument("--replica-id")
+    p.add_argument("--worker-command", help="local backend: command that runs one node (default deepfleet-worker)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings.from_env(
+            database_url=args.db, data_dir=args.data_dir, replica_id=args.replica_id,
+            reconcile_interval_s=args.reconcile_interval,
+            controller_url=os.environ.get("DEEPFLEET_CONTROLLER_URL") or f"http://{args.host}:{args.port}",
+        )
+        if settings.admin_token is None:
+            token = persisted(settings.data_dir, ADMIN_TOKEN_FILE, lambda: mint_api_token().token)
+            settings = settings.model_copy(update={"admin_token": SecretStr(token)})
+            print(f"admin token: {settings.data_dir / ADMIN_TOKEN_FILE}", file=sys.stderr, flush=True)
+        if not os.environ.get("DEEPFLEET_SECRET"):
+            # Job tokens must survive a restart: runs started before it keep posting heartbeats.
+            secret = persisted(settings.data_dir, SECRET_FILE, lambda: secrets.token_urlsafe(32))
+            settings = settings.model_copy(update={"secret": SecretStr(secret)})
+    except SettingsError as e:
+        for line in e.errors:
+            print(f"deepfleet server: {line}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    command = args.worker_command.split() if args.worker_command else None
+    app = build(settings, slots=args.slots, workdir=args.workdir, worker_command=command,
+                heartbeat_interval_s=args.heartbeat_interval)
+    print(f"deepfleet controller on http://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
+          f"logs {settings.logs_root})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
