@@ -27,8 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 _MB = 1024 * 1024
 
 
-def _fp32_allreduce_hook(state: tuple[Any, int], bucket: dist.GradBucket) -> torch.futures.Future:
-    """Average a 16-bit gradient bucket in fp32, then store the result back in the bucket's dtype."""
+def _fp32_allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
+    """Average a 16-bit gradient bucket (`dist.GradBucket`) in fp32, then store the result back in the
+    bucket's dtype; `state` is (process group, world size). Returns the future DDP waits on."""
     group, world_size = state
     buffer = bucket.buffer()
     wide = buffer.to(torch.float32).div_(world_size)

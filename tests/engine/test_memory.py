@@ -1,0 +1,44 @@
+"""Per-rank model-state memory from real tensor storages (`engine/memory.py`): what each ZeRO stage
+saves on 2 ranks, and how storages are counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepfleet.engine.memory import model_state_bytes, storage_bytes
+
+from tests.engine.zero_runs import run_stage
+
+WORLD = 2
+
+
+def test_views_of_one_storage_count_once_at_full_size() -> None:
+    flat = torch.zeros(100)  # 400 bytes, e.g. a gradient bucket
+    views = [flat[:30], flat[30:90].view(6, 10)]  # 90 of the 100 elements are "used"
+    assert storage_bytes(views) == 400
+    assert storage_bytes([torch.zeros(3, dtype=torch.bfloat16), torch.zeros(2)]) == 6 + 8
+
+
+def test_a_storage_shared_by_categories_is_charged_once() -> None:
+    p = torch.zeros(10)
+    report = model_state_bytes({"params": [p], "master": [p.view(2, 5)], "optimizer": [torch.zeros(5)]})
+    assert report == {"params": 40, "grads": 0, "optimizer": 20, "master": 0, "total": 60}
+
+
+# stage -> categories that must be ~1/N of stage 0 (others stay full size)
+SHARDED = {1: {"optimizer"}, 2: {"optimizer", "grads"}, 3: {"optimizer", "grads", "params"}}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_memory_is_a_world_fraction_of_stage_0(stage: int) -> None:
+    """Measured after a boundary backward (gradients live, optimizer state from the first step), on
+    every rank: sharded categories within 10% of stage 0 / N (padding included), others unchanged."""
+    base = [r["fp32"]["memory"] for r in run_stage(0)]
+    mine = [r["fp32"]["memory"] for r in run_stage(stage)]
+    for rank in range(WORLD):
+        for category in ("params", "grads", "optimizer"):
+            full = base[rank][category]
+            assert full > 0, (rank, category)
+            ideal = full / WORLD if category in SHARDED[stage] else full
+            got = mine[rank][category]
+            assert abs(got - ideal) <= 0.10 * ideal, f"rank {rank} {category}: {got} bytes, ideal {ideal:.0f}"
