@@ -85,7 +85,9 @@ def settings(db_url: str, tmp_path):
 def app(settings):
     from deepfleet.controller.app import create_app
 
-    return create_app(settings, log_poll_s=0.02)
+    app = create_app(settings, log_poll_s=0.02)
+    yield app
+    app.state.engine.dispose()  # also when no client ran the lifespan (which disposes it too)
 
 
 @pytest.fixture()
