@@ -63,6 +63,14 @@ def validate(
     typer.echo(json.dumps(normalized) if as_json else json.dumps(normalized, indent=2))
 
 
+@app.command()
+def schema() -> None:
+    """Print the JSON schema of a job document (apiVersion deepfleet/v1, kind TrainingJob)."""
+    from deepfleet.controller.spec import JobSpec
+
+    typer.echo(json.dumps(JobSpec.model_json_schema(), indent=2))
+
+
 register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)
 
 
