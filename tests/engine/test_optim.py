@@ -201,3 +201,34 @@ def test_groups_with_different_lrs_step_by_their_own_lr() -> None:
     a.grad, b.grad = torch.ones(2), torch.ones(2)
     opt.step()
     assert a.tolist() == pytest.approx([-0.1, -0.1]) and b.tolist() == pytest.approx([-0.5, -0.5])
+
+
+def _sharded_vs_full(rank: int, world_size: int) -> dict[str, float]:
+    """Per optimizer, max |difference| between stepping DTensor Shard(0) parameters and the full tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for cls in (Lamb, Lion):
+        full = _params(3)  # shapes (3, 5), (7,), (2, 1, 3): uneven shards on 2 ranks
+        sharded = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)])) for p in full]
+        opt_full = cls(full, lr=0.01, weight_decay=0.1)
+        opt_sharded = cls(sharded, lr=0.01, weight_decay=0.1)
+        for step in range(3):
+            for p, d, g in zip(full, sharded, _grads(step, full), strict=True):
+                p.grad = g.clone()
+                d.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            opt_full.step()
+            opt_sharded.step()
+        out[cls.__name__] = max(float((p.detach() - d.detach().full_tensor()).abs().max())
+                                for p, d in zip(full, sharded, strict=True))
+    return out
+
+
+def test_dtensor_shards_step_like_the_full_parameter() -> None:
+    from tests.spawn import spawn
+
+    # ZeRO-3 hands DTensor shards to the optimizer: Lamb's trust ratio must use whole-parameter norms.
+    results = spawn(_sharded_vs_full, 2, timeout=180)
+    assert results == [{"Lamb": pytest.approx(0.0, abs=1e-12), "Lion": pytest.approx(0.0, abs=1e-12)}] * 2
