@@ -1,0 +1,84 @@
+"""The web page end to end in real headless Chromium (selenium + chromedriver) against a real
+controller process: a YAML with an error shows the field-path error inline; a valid one appears in
+the job list; its page shows events and the log tail."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.controller.e2e_helpers import Controller
+from tests.controller.jobspecs import FAKE_WORKER, job_document
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+@pytest.fixture()
+def browser(tmp_path: Path):
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.skip("chromium and chromedriver are not installed (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'chrome-profile'}", "--window-size=1280,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.implicitly_wait(0)
+    yield driver
+    driver.quit()
+
+
+def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.controller.conftest import ADMIN_TOKEN
+
+    c = Controller(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "data", worker_command=FAKE_WORKER)
+    wait = WebDriverWait(browser, 20)
+    try:
+        browser.get(c.url + "/")
+        wait.until(ec.presence_of_element_located((By.ID, "token"))).send_keys(ADMIN_TOKEN)
+        browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+
+        bad = job_document("web-bad", args=["--steps", "2"])
+        bad["metadata"]["project"] = "test"
+        bad["spec"]["nodes"] = 0
+        bad["spec"]["procesesPerNode"] = 1  # a typo
+        spec_box = browser.find_element(By.ID, "spec")
+        spec_box.send_keys(yaml.safe_dump(bad))
+        browser.find_element(By.ID, "submit").click()
+        errors = wait.until(ec.visibility_of_element_located((By.ID, "errors")))
+        wait.until(lambda d: "spec.nodes" in d.find_element(By.ID, "errors").text)
+        assert "spec.procesesPerNode: unknown field" in errors.text
+        assert browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr") == []
+
+        good = job_document("web-good", args=["--steps", "3"])
+        good["metadata"]["project"] = "test"
+        spec_box.clear()
+        spec_box.send_keys(yaml.safe_dump(good))
+        browser.find_element(By.ID, "submit").click()
+        wait.until(lambda d: not d.find_element(By.ID, "errors").is_displayed())
+        row = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#jobs tbody tr")))
+        assert "web-good" in row.text
+        wait.until(lambda d: "SUCCEEDED" in d.find_element(By.CSS_SELECTOR, "#jobs tbody tr").text)
+
+        # the job page: events, log tail and the heartbeat plot
+        browser.find_element(By.LINK_TEXT, "web-good").click()
+        wait.until(lambda d: "Succeeded" in d.find_element(By.ID, "events").text)
+        wait.until(lambda d: "done" in d.find_element(By.ID, "log").text)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#plot polyline.series-loss"))
+        assert "loss" in browser.find_element(By.ID, "plot-legend").text
+    finally:
+        c.stop()
