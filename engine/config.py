@@ -209,7 +209,23 @@ def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: li
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `5e8` as a number (YAML 1.1 wants `5.0e+8`; DeepSpeed configs say 5e8)."""
+    """SafeLoader that reads `5e8` as a number (YAML 1.1 wants `5.0e+8`; DeepSpeed configs say 5e8) and
+    records duplicate keys (PyYAML silently keeps the last one) in `self.duplicates` as (key, line, column)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicates: list[tuple[Any, int, int]] = []
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable keys are left to the base class, which rejects them with a mark
+            if key in seen:
+                self.duplicates.append((key, key_node.start_mark.line + 1, key_node.start_mark.column + 1))
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -260,8 +276,9 @@ def _read_source(source: Any, errors: list[str]) -> dict | None:
         errors.append(f"config: cannot read {path} ({e}); check the file's permissions and encoding")
         return None
     if path.suffix.lower() in (".yaml", ".yml"):
+        loader = _YamlLoader(text)
         try:
-            data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+            data = loader.get_single_data()
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -270,6 +287,9 @@ def _read_source(source: Any, errors: list[str]) -> dict | None:
         except yaml.YAMLError as e:
             errors.append(f"{path}: invalid YAML: {e}; fix the YAML syntax")
             return None
+        finally:
+            loader.dispose()
+        errors.extend(f"{path}:{line}:{col}: duplicate key {key!r}; keep only one" for key, line, col in loader.duplicates)
     else:
         try:
             data = json.loads(text, object_pairs_hook=_no_duplicates(str(path), errors))

@@ -224,3 +224,43 @@ def test_config_imports_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "AdamW"
+
+
+def test_duplicate_yaml_keys_are_rejected_with_their_position(tmp_path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text("train_batch_size: 8\nzero_optimization:\n  stage: 2\n  stage: 3\n")
+    assert _errors(path) == [f"{path}:4:3: duplicate key 'stage'; keep only one"]
+
+
+def test_base64_json_string_like_deepspeed() -> None:
+    import base64
+
+    encoded = base64.urlsafe_b64encode(json.dumps({"train_batch_size": 6}).encode()).decode()
+    assert load_config(encoded, world_size=3).train_micro_batch_size_per_gpu == 2
+
+
+def _sections(model, seen=None):
+    """Every config model reachable from `model` (fields, optionals and union variants)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    seen = set() if seen is None else seen
+    if model in seen:
+        return seen
+    seen.add(model)
+    for field in model.model_fields.values():
+        stack = [field.annotation]
+        while stack:
+            ann = stack.pop()
+            stack.extend(typing.get_args(ann))
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                _sections(ann, seen)
+    return seen
+
+
+def test_every_field_of_every_section_has_a_docstring() -> None:
+    sections = _sections(DeepFleetConfig)
+    assert len(sections) > 20  # top level, precision, zero, offload, 6 optimizers, 5 schedules and their params
+    missing = [f"{m.__name__}.{name}" for m in sections for name, f in m.model_fields.items() if not f.description]
+    assert missing == []
