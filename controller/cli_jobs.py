@@ -87,7 +87,7 @@ def _call(fn, *args: Any, **kw: Any) -> Any:  # noqa: ANN001 - any client method
         _fail(e.detail, e.errors, code=EXIT_INVALID_INPUT if 400 <= e.status < 500 else EXIT_FAILED)
 
 
-def _document(path: Path) -> str:
+def load_job_document(path: Path) -> str:
     """The job file, checked locally with the same JobSpec the server uses; a relative `spec.engine`
     path is read here and sent inline, so the server need not see the submitter's files."""
     from deepfleet.controller.spec import SpecError, parse_job_yaml
@@ -136,7 +136,7 @@ def register(app: typer.Typer) -> None:
         token: TokenOpt = None,
     ) -> None:
         """Submit a job; with --follow, show a progress bar from heartbeats, then the log tail."""
-        body = _document(job_file)
+        body = load_job_document(job_file)
         with _client(url, token) as client:
             job = _call(client.submit, body, content_type="application/json")
             typer.echo(f"submitted {job['name']} as {job['id']}")
