@@ -97,6 +97,7 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "optimizer.legacy_fusion": Unsupported(_equals(False)),
     "optimizer.params.max_grad_norm": Unsupported(_equals(0), "use the top-level gradient_clipping instead"),
     "optimizer.params.set_grad_none": Unsupported(_equals(True)),
+    "optimizer.params.amsgrad": Unsupported(_equals(False)),  # Lamb/Lion/SGD/Adagrad (Adam has the field)
     # precision sections
     "fp16.fp16_master_weights_and_grads": Unsupported(_equals(False)),
     "bf16.immediate_grad_update": Unsupported(_any),  # when master grads are updated; no numeric effect

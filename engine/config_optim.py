@@ -297,6 +297,17 @@ class OneCycleParams(ConfigSection):
     last_batch_iteration: Int = Field(-1, ge=-1)
     """Index of the last step already taken (-1 starts the schedule from the beginning)."""
 
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> OneCycleParams:
+        problems = []
+        if self.cycle_min_lr > self.cycle_max_lr:
+            problems.append(f"cycle_min_lr: {self.cycle_min_lr} > cycle_max_lr {self.cycle_max_lr}; swap them")
+        if self.cycle_momentum and self.cycle_min_mom > self.cycle_max_mom:
+            problems.append(f"cycle_min_mom: {self.cycle_min_mom} > cycle_max_mom {self.cycle_max_mom}; swap them")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
 
 class LRRangeTestParams(ConfigSection):
     """Parameters of `LRRangeTest`: lr = min_lr * (1 + step_rate * interval), interval continuous or stepped."""

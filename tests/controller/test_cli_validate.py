@@ -235,3 +235,27 @@ def test_real_world_configs_parse_unchanged(tmp_path, name, content, args, expec
     tbs = normalized["train_batch_size"]
     world = int(args[args.index("--world-size") + 1]) if "--world-size" in args else 1
     assert tbs == normalized["train_micro_batch_size_per_gpu"] * normalized["gradient_accumulation_steps"] * world
+
+
+def test_validate_runs_without_torch(tmp_path) -> None:
+    path = _write(tmp_path, "ds.json", FP16_STAGE2_OFFLOAD)
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch is blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from deepfleet.controller.cli import app\n"
+        f"app(['validate', {path!r}, '--world-size', '4', '--json'], standalone_mode=False)\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["train_micro_batch_size_per_gpu"] == 8
+
+
+def test_pretty_output_by_default(tmp_path) -> None:
+    result = _validate(_write(tmp_path, "ds.json", MEGATRON_BF16_STAGE1), "-w", "8")
+    assert result.returncode == 0 and result.stdout.startswith('{\n  "train_batch_size": 256,')
+    assert json.loads(result.stdout)["zero_optimization"]["stage"] == 1

@@ -264,3 +264,31 @@ def test_every_field_of_every_section_has_a_docstring() -> None:
     assert len(sections) > 20  # top level, precision, zero, offload, 6 optimizers, 5 schedules and their params
     missing = [f"{m.__name__}.{name}" for m in sections for name, f in m.model_fields.items() if not f.description]
     assert missing == []
+
+
+def test_optimizer_and_scheduler_sections() -> None:
+    cfg = load_config({"train_batch_size": 1, "optimizer": {"type": "lamb", "params": {"amsgrad": False}},
+                       "scheduler": {"type": "onecycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 0.2}}})
+    assert (cfg.optimizer.type, cfg.scheduler.type) == ("Lamb", "OneCycle")
+    p = cfg.scheduler.params
+    assert (p.cycle_first_step_size, p.cycle_second_step_size, p.cycle_momentum, p.cycle_min_mom, p.cycle_max_mom) == (
+        2000, None, True, 0.8, 0.9)
+    assert _errors({"train_batch_size": 1, "optimizer": {"type": "Lion", "params": {"amsgrad": True}},
+                    "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.3, "cycle_max_lr": 0.2}}}) == [
+        "optimizer.params.amsgrad: not supported yet; drop it",
+        "scheduler.params.cycle_min_lr: 0.3 > cycle_max_lr 0.2; swap them",
+    ]
+    assert _errors({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}) == [
+        'optimizer.params.adam_w_mode: false contradicts type AdamW (always decoupled weight decay); use "type": '
+        '"Adam" for L2-coupled decay or drop adam_w_mode'
+    ]
+    assert _errors({"train_batch_size": 1, "scheduler": {"type": "WarmupCosineLR", "params": {}}}) == [
+        "scheduler.params.total_num_steps: missing (required); add it"
+    ]
+    assert _errors({"train_batch_size": 1, "optimizer": {"type": "Adamm"}}) == [
+        "optimizer.type: unknown optimizer 'Adamm'; did you mean 'Adam'? use one of Adam, AdamW, SGD, Adagrad, Lamb, "
+        "Lion"
+    ]
+    assert _errors({"train_batch_size": 1, "optimizer": {"type": "adam", "params": {"max_grad_norm": 1.0}}}) == [
+        "optimizer.params.max_grad_norm: not supported yet; use the top-level gradient_clipping instead"
+    ]
