@@ -200,7 +200,7 @@ def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: li
     batch = _RawBatch(data)
     if batch.usable:
         errors.extend(_resolve_batch(batch, world_size=world_size, auto=auto_batch))
-    fp16, bf16 = data.get("fp16"), data.get("bf16")
+    fp16, bf16 = data.get("fp16"), data.get("bf16", data.get("bfloat16"))
     if isinstance(fp16, dict) and isinstance(bf16, dict):
         errors.extend(_precision_conflicts(fp16=fp16.get("enabled"), bf16=bf16.get("enabled")))
 
@@ -329,12 +329,6 @@ def _top_level(data: Any, where: str, errors: list[str]) -> dict | None:
 
 
 def _rename_aliases(data: dict, errors: list[str]) -> None:
-    if "bfloat16" in data:
-        if "bf16" in data:
-            errors.append("bfloat16: set together with bf16 (its old spelling); keep only bf16")
-            del data["bfloat16"]
-        else:
-            data["bf16"] = data.pop("bfloat16")
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
         errors.append('zero_optimization: the boolean form is not supported; write {"stage": 1} (or 0)')

@@ -183,6 +183,12 @@ def section_model(annotation: Any, value: Any) -> type[BaseModel] | None:
 def check_keys(data: dict, model: type[BaseModel], *, path: str, errors: list[str]) -> None:
     """Remove unknown and not-yet-supported keys from `data` (in place), appending one error line each."""
     accepted = accepted_keys(model)
+    for field in model.model_fields.values():  # two spellings of one setting: keep the first
+        if isinstance(field.validation_alias, AliasChoices):
+            present = [c for c in field.validation_alias.choices if isinstance(c, str) and c in data]
+            for extra in present[1:]:
+                errors.append(f"{path}{extra}: same setting as {path}{present[0]}; keep only one of them")
+                del data[extra]
     for key in list(data):
         value = data[key]
         dotted = f"{path}{key}"

@@ -145,8 +145,15 @@ def test_duplicate_json_keys_are_rejected() -> None:
 def test_bfloat16_alias_and_both_spellings() -> None:
     assert load_config({"train_batch_size": 1, "bfloat16": {"enabled": True}}).bf16.enabled is True
     assert _errors({"train_batch_size": 1, "bf16": {}, "bfloat16": {}}) == [
-        "bfloat16: set together with bf16 (its old spelling); keep only bf16"
+        "bfloat16: same setting as bf16; keep only one of them"
     ]
+    assert _errors({"train_batch_size": 1, "zero_optimization": {"prefetch_bucket_size": 7,
+                                                                 "stage3_prefetch_bucket_size": 5}}) == [
+        "zero_optimization.prefetch_bucket_size: same setting as zero_optimization.stage3_prefetch_bucket_size; "
+        "keep only one of them"
+    ]
+    short = load_config({"train_batch_size": 1, "zero_optimization": {"max_live_parameters": 7}})
+    assert short.zero_optimization.stage3_max_live_parameters == 7
 
 
 def test_auto_bucket_sizes_resolve_from_hidden_size() -> None:
