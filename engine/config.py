@@ -454,14 +454,19 @@ def _translate(error: dict) -> list[str]:
 # --------------------------------------------------------------------------- entry point
 
 
-def load_config(source: dict | str | Path, *, world_size: int = 1, hidden_size: int | None = None) -> DeepFleetConfig:
+def load_config(
+    source: dict | str | Path | DeepFleetConfig, *, world_size: int = 1, hidden_size: int | None = None
+) -> DeepFleetConfig:
     """Parse, check and normalize a DeepSpeed-style config.
 
-    `source`: a dict, a path to a .json/.yaml/.yml file, or a JSON object string. `world_size`:
+    `source`: a dict, a path to a .json/.yaml/.yml file, a JSON object string (or its base64, as
+    DeepSpeed accepts), or an already loaded `DeepFleetConfig` (checked again). `world_size`:
     data-parallel ranks, used to derive the batch triple. `hidden_size`: the model's hidden size,
     used to resolve HF-style `"auto"` bucket sizes. Raises `ConfigError` listing every problem.
     """
     errors: list[str] = []
+    if isinstance(source, DeepFleetConfig):  # re-resolve a loaded config, e.g. at another world size
+        source = source.to_dict()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError([f"world_size: must be a positive integer, got {world_size!r}; pass world_size >= 1"])
     data = _read_source(source, errors)

@@ -95,7 +95,8 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "vocabulary_size": Unsupported(_any),
     # optimizer section
     "optimizer.legacy_fusion": Unsupported(_equals(False)),
-    "optimizer.params.max_grad_norm": Unsupported(_equals(0), "use the top-level gradient_clipping instead"),
+    # DeepSpeed itself refuses this key at any value.
+    "optimizer.params.max_grad_norm": Unsupported(_never, "use the top-level gradient_clipping instead"),
     "optimizer.params.set_grad_none": Unsupported(_equals(True)),
     "optimizer.params.amsgrad": Unsupported(_equals(False)),  # Lamb/Lion/SGD/Adagrad (Adam has the field)
     # precision sections

@@ -213,6 +213,10 @@ def test_model_dump_round_trips() -> None:
     again = load_config(cfg.to_dict(), world_size=2)
     assert again == cfg
     assert isinstance(again, DeepFleetConfig)
+    assert load_config(cfg, world_size=2) == cfg
+    assert _errors(cfg, world_size=4) == [
+        "train_batch_size: 8 != 4 (micro) * 1 (gas) * 4 (world size) = 16; fix one of the three or drop train_batch_size"
+    ]
 
 
 def test_config_imports_without_torch() -> None:
