@@ -33,7 +33,14 @@ import torch.distributed as dist
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.io import StepReader, StepWriter
 from deepfleet.engine.checkpoint.layout import CheckpointError
-from deepfleet.engine.checkpoint.state import capture_rng, derived_rng_seed, restore_rng, seed_all
+from deepfleet.engine.checkpoint.state import (
+    ENGINE_STATE,
+    capture_rng,
+    derived_rng_seed,
+    restore_rng,
+    seed_all,
+)
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -139,29 +146,63 @@ def load_checkpoint(
 
     with_optim = load_optimizer_states and not load_module_only
     state = engine.sharding.state_dict()
+    if with_optim:
+        _complete_optimizer_template(state, reader.saved_shapes())
     wanted = state if with_optim else {"model": state["model"]}
     reader.check_shapes(wanted)
     shared = reader.shared_state()
+    if not load_module_only:
+        # First: these may refuse the checkpoint (a data loader seeded differently) before tensors change.
+        skip = set() if load_lr_scheduler_states else {"lr_scheduler"}
+        _restore_statefuls(engine, shared, step_dir=step_dir, skip=skip)
     reader.load_tensors(wanted)
     engine.sharding.load_state_dict(state)
-
-    rank = _rank()
     if not load_module_only:
         engine.global_steps = int(shared["global_steps"])
         engine.micro_steps = int(shared["micro_steps"])
         if hasattr(engine, "global_samples"):
             engine.global_samples = int(shared.get("global_samples", 0))
-        skip = set() if load_lr_scheduler_states else {"lr_scheduler"}
-        for name in _OPTIONAL_STATEFUL:
-            obj = getattr(engine, name, None)
-            if name in skip or obj is None or not hasattr(obj, "load_state_dict"):
-                continue
-            if name not in shared:
-                raise CheckpointError(f"{step_dir}: has no saved {name} state, but the engine has one")
-            obj.load_state_dict(shared[name])
-        _restore_rank_rng(reader, rank=rank)
+        _restore_rank_rng(reader, rank=_rank())
     log.info("loaded checkpoint %s (saved at world size %d)", step_dir, reader.manifest.world_size)
     return str(step_dir), shared.get("client_state", {})
+
+
+def _restore_statefuls(engine: Any, shared: dict, *, step_dir: Path, skip: set[str]) -> None:
+    for name in _OPTIONAL_STATEFUL:
+        obj = getattr(engine, name, None)
+        if name in skip or obj is None or not hasattr(obj, "load_state_dict"):
+            continue
+        if name not in shared:
+            raise CheckpointError(f"{step_dir / ENGINE_STATE}: has no saved {name} state, but the engine has one")
+        try:
+            obj.load_state_dict(shared[name])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{step_dir / ENGINE_STATE}: {name}: {e}") from e
+
+
+def _complete_optimizer_template(state: dict, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Give a never-stepped, unsharded optimizer state templates to load into.
+
+    DCP loads in place, so it needs a tensor for every saved optimizer entry. Strategies built on
+    `get_state_dict` initialize the state themselves; one that holds plain (replicated) tensors and
+    returns an empty state before the first step gets plain zero tensors of the saved shape here,
+    which is that layout exactly. A sharded (DTensor) model with empty optimizer state is left alone:
+    its layout is the strategy's, and check_shapes reports the gap.
+    """
+    optim = state.get("optim")
+    if not isinstance(optim, dict) or optim.get("state"):
+        return
+    if any(isinstance(t, DTensor) for t in state["model"].values()):
+        return
+    fqns = {fqn for group in optim.get("param_groups", []) for fqn in group.get("params", [])}
+    filled: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (shape, dtype) in saved.items():
+        if not key.startswith("optim.state."):
+            continue
+        fqn, _, name = key[len("optim.state.") :].rpartition(".")
+        if fqn in fqns:
+            filled.setdefault(fqn, {})[name] = torch.zeros(shape, dtype=dtype)
+    optim["state"] = filled
 
 
 def _restore_rank_rng(reader: StepReader, *, rank: int) -> None:

@@ -244,6 +244,7 @@ class StepReader:
                 f"{self.step_dir}: no {layout.COMPLETE} marker; the save was interrupted, so it is not loaded"
             )
         self.manifest = read_manifest(self.step_dir)
+        self._shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
 
     def verify(self) -> None:
         """Check every file's size and sha256; the work is split over ranks, any failure raises on all."""
@@ -264,6 +265,11 @@ class StepReader:
 
     def saved_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Global shape and dtype of every tensor in the DCP metadata, by flattened key."""
+        if self._shapes is None:
+            self._shapes = self._read_shapes()
+        return self._shapes
+
+    def _read_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         try:
             metadata = FileSystemReader(os.fspath(self.step_dir)).read_metadata()
         except Exception as e:  # DCP raises plain exceptions for a damaged .metadata
