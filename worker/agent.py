@@ -137,6 +137,22 @@ def child_environment(spec: WorkerSpec, *, marker: Path, cpu: bool) -> dict[str,
     return env
 
 
+def check_engine_config(spec: WorkerSpec, *, world_size: int) -> list[str]:
+    """Validate the spec's engine config before any process starts (torch's agent would otherwise
+    restart a group that can never start). Returns the problems, one line each; [] when valid or unset."""
+    if spec.engine_config is None:
+        return []
+    from deepfleet.engine.config import ConfigError, load_config  # torch-free
+
+    try:
+        load_config(spec.engine_config, world_size=world_size)
+    except ConfigError as e:
+        return [f"engine_config.{line}" for line in e.errors]
+    except (OSError, ValueError) as e:
+        return [f"engine_config: {e}".replace("\n", " ")]
+    return []
+
+
 def _watch_notice_file(path: str, stop: threading.Event, *, interval_s: float = 0.5) -> None:
     # Turn the notice into SIGTERM to ourselves: torch's agent then forwards it to the training
     # processes and waits the grace period, the same path as a real SIGTERM.
@@ -153,6 +169,12 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
         rdzv = resolve(spec, environ)
     except RendezvousEnvError as e:
         print(f"deepfleet-worker: {e}", file=sys.stderr)
+        return int(ExitCode.INVALID_SPEC)
+
+    problems = check_engine_config(spec, world_size=rdzv.world_size)
+    if problems:
+        for line in problems:
+            print(f"deepfleet-worker: invalid engine config: {line}", file=sys.stderr)
         return int(ExitCode.INVALID_SPEC)
 
     import torch
@@ -234,8 +256,9 @@ def child_main() -> int:
         return int(ExitCode.USER_ERROR)
     except BaseException as e:  # the training code's failure becomes an exit code and a report
         code = exit_code_for_exception(e)
-        if isinstance(e, WorkerSpecError):
-            print(f"deepfleet-worker: {e}", file=sys.stderr, flush=True)
+        if code == ExitCode.INVALID_SPEC:  # the user's input: one line per problem, no traceback
+            for line in getattr(e, "errors", None) or [str(e)]:
+                print(f"deepfleet-worker: invalid spec: {line}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         _report(spec, code, e)

@@ -4,63 +4,29 @@ and logged once per interval."""
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from deepfleet.worker.heartbeat import HeartbeatReporter
 from deepfleet.worker.spec import FailureClass, FailureReport, Heartbeat, HeartbeatSpec
 
 from tests.spawn import free_port
-
-
-class _Controller(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.received: list[tuple[str, str | None, dict]] = []
-        self.delay_s = delay_s
-        self.release = threading.Event()
-        self.arrived = threading.Event()
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Controller
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.arrived.set()
-        if self.server.delay_s:
-            self.server.release.wait(self.server.delay_s)
-        self.server.received.append((self.path, self.headers.get("Authorization"), body))
-        self.send_response(204)
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
+from tests.worker.http_sink import Sink, running_sink
 
 
 @pytest.fixture
-def controller() -> Iterator[_Controller]:
-    srv = _Controller()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.release.set()
-    srv.shutdown()
-    srv.server_close()
+def controller() -> Iterator[Sink]:
+    with running_sink() as srv:
+        yield srv
 
 
-def _url(srv: _Controller, path: str) -> str:
-    return f"http://127.0.0.1:{srv.server_address[1]}{path}"
+def _url(srv: Sink, path: str) -> str:
+    return srv.url(path)
 
 
-def test_heartbeats_arrive_with_bearer_token(controller: _Controller) -> None:
+def test_heartbeats_arrive_with_bearer_token(controller: Sink) -> None:
     spec = HeartbeatSpec(url=_url(controller, "/jobs/j1/heartbeat"), failure_url=_url(controller, "/jobs/j1/failure"),
                          token="tok", interval_s=5)
     now = [100.0]
@@ -81,7 +47,7 @@ def test_heartbeats_arrive_with_bearer_token(controller: _Controller) -> None:
     assert (hb.sent, hb.failed, hb.dropped) == (2, 0, 0)
 
 
-def test_slow_endpoint_never_blocks_and_drops_the_oldest(controller: _Controller) -> None:
+def test_slow_endpoint_never_blocks_and_drops_the_oldest(controller: Sink) -> None:
     controller.delay_s = 30.0  # the first post hangs until released
     hb = HeartbeatReporter(HeartbeatSpec(url=_url(controller, "/hb"), timeout_s=10), max_queue=3).start()
     hb.submit(Heartbeat(step=0))

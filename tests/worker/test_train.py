@@ -1,0 +1,183 @@
+"""worker/train.py, the managed loop, end to end under the worker (2 processes, ZeRO stage 2, the tiny
+example GPT): heartbeats reach a real HTTP endpoint; a training process killed with SIGKILL mid-run is
+restarted by the elastic agent and the run ends with exactly the weights of an uninterrupted run;
+SIGTERM checkpoints at the next step boundary within the grace period and exits 75, and the next
+attempt resumes from that checkpoint with no step lost; a failing factory exits 65 with a report."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.spawn import free_port
+from tests.worker.http_sink import running_sink
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_STEPS = 8
+GPT = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "vocab_size": 64, "num_samples": 512}
+
+
+def _spec(ckpt: Path, *, sleep_s: float = 0.0, every: int = 0, **over: object) -> dict:
+    data = {
+        "job_id": "managed",
+        "entrypoint": {"factory": "tests.worker.managed_factories:slow_gpt", "kwargs": {**GPT, "sleep_s": sleep_s}},
+        "engine_config": str(ROOT / "examples/gpt/ds_config.json"),
+        "max_steps": MAX_STEPS,
+        "log_every_steps": 1,
+        "checkpoint": {"dir": str(ckpt), "every_steps": every},
+        "processes_per_node": 2,
+        "rendezvous": {"port": free_port(), "last_call_timeout_s": 2, "join_timeout_s": 60},
+        "restart": {"max_restarts": 0, "monitor_interval_s": 0.2},
+        "preemption": {"grace_period_s": 30},
+    }
+    data.update(over)
+    return data
+
+
+def _run(spec: dict, *, on_line=None, timeout: float = 240) -> tuple[int, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    with subprocess.Popen([sys.executable, "-m", "deepfleet.worker.cli", "--spec", json.dumps(spec)], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(proc, line)
+                if time.monotonic() > deadline:
+                    raise TimeoutError("worker did not finish:\n" + "".join(lines[-40:]))
+            return proc.wait(timeout=60), "".join(lines)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _weights(ckpt: Path, tag: str, tmp: Path) -> dict:
+    from deepfleet.engine.checkpoint.export import export_safetensors
+    from safetensors.torch import load_file
+
+    out = tmp / f"{ckpt.parent.name}-{tag}.safetensors"
+    export_safetensors(ckpt / tag, out)
+    return load_file(str(out))
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _training_pid(worker_pid: int, rank: int) -> int:
+    """The training process of global rank `rank` among the worker's children (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == worker_pid and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise LookupError(f"no training process of rank {rank} under pid {worker_pid}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted run; its heartbeats go to a real HTTP endpoint."""
+    base = tmp_path_factory.mktemp("ref")
+    with running_sink() as sink:
+        spec = _spec(base / "ckpt", heartbeat={"url": sink.url("/hb"), "token": "t0k", "interval_s": 0.05})
+        code, log = _run(spec)
+        assert code == 0, log
+        beats = sink.bodies("/hb")
+        auth = {a for _, a, _ in sink.received}
+    return {"weights": _weights(base / "ckpt", f"global_step{MAX_STEPS}", base), "beats": beats, "auth": auth}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_heartbeats_during_a_managed_run(reference: dict) -> None:
+    beats = reference["beats"]
+    assert reference["auth"] == {"Bearer t0k"}
+    steps = [b["step"] for b in beats]
+    assert steps == sorted(steps) and steps[-1] == MAX_STEPS and len(steps) >= 2
+    assert beats[-1]["last_complete_checkpoint"] == f"global_step{MAX_STEPS}"
+    first = beats[0]
+    assert first["loss"] > 0 and first["lr"] is not None and first["tokens_per_s"] > 0 and first["grad_norm"] > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
+    killed: list[float] = []
+
+    def kill_rank1_after_step_3(proc: subprocess.Popen, line: str) -> None:
+        if not killed and line.startswith("[deepfleet] step 3/"):
+            os.kill(_training_pid(proc.pid, rank=1), signal.SIGKILL)  # mid-step: each forward sleeps 0.3 s
+            killed.append(time.time())
+
+    spec = _spec(tmp_path / "ckpt", sleep_s=0.3, every=1, restart={"max_restarts": 2, "monitor_interval_s": 0.2})
+    code, log = _run(spec, on_line=kill_rank1_after_step_3)
+    assert code == 0 and killed, log
+    resumed = re.search(r"restart 1: world size 2, starting at step (\d+)/\d+ from checkpoint global_step(\d+)", log)
+    assert resumed and 3 <= int(resumed.group(1)) <= 5, log
+    _assert_same(_weights(tmp_path / "ckpt", f"global_step{MAX_STEPS}", tmp_path), reference["weights"])
+    first = min(float(t) for t in re.findall(r"step \d+/\d+ loss [\d.]+ restart 1 t=([\d.]+)", log))
+    print(json.dumps({"metric": "managed_sigkill_to_first_step_s", "value": round(first - killed[0], 2)}))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_75_and_resumes_without_losing_a_step(reference: dict, tmp_path: Path) -> None:
+    sent: list[float] = []
+
+    def terminate_after_step_2(proc: subprocess.Popen, line: str) -> None:
+        if not sent and line.startswith("[deepfleet] step 2/"):
+            proc.send_signal(signal.SIGTERM)  # the worker only, as Kubernetes signals PID 1
+            sent.append(time.monotonic())
+
+    ckpt = tmp_path / "ckpt"
+    spec = _spec(ckpt, sleep_s=0.3, every=0)  # no periodic checkpoints: only the preemption one
+    code, log = _run(spec, on_line=terminate_after_step_2)
+    took = time.monotonic() - sent[0]
+    assert code == 75, log
+    assert took < spec["preemption"]["grace_period_s"], took
+    stopped = re.search(r"checkpointing step (\d+)", log)
+    assert stopped, log
+    tag = f"global_step{stopped.group(1)}"
+    assert 2 <= int(stopped.group(1)) < MAX_STEPS and (ckpt / tag / "COMPLETE").exists()
+    assert (ckpt / "latest").read_text().strip() == tag and f"preempted; checkpoint {tag} is complete" in log
+
+    spec["attempt"] = 1
+    code, log = _run(spec)
+    assert code == 0, log
+    assert f"starting at step {stopped.group(1)}/{MAX_STEPS} from checkpoint {tag}" in log
+    _assert_same(_weights(ckpt, f"global_step{MAX_STEPS}", tmp_path), reference["weights"])
+
+
+@pytest.mark.e2e
+def test_failing_factory_exits_65_and_reports(tmp_path: Path) -> None:
+    with running_sink() as sink:
+        spec = _spec(tmp_path / "ckpt", processes_per_node=1,
+                     entrypoint={"factory": "tests.worker.managed_factories:broken"},
+                     heartbeat={"url": sink.url("/hb"), "failure_url": sink.url("/fail"), "token": "x"})
+        code, log = _run(spec)
+        reports = sink.bodies("/fail")
+    assert code == 65, log
+    assert reports == [{"rank": 0, "class": "user_error",
+                        "message": "KeyError: 'vocab_size missing from the tokenizer config'"}]

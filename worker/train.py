@@ -1,0 +1,176 @@
+"""The managed training loop, for jobs whose entrypoint is a factory instead of a script.
+
+Caller: `worker/agent.py` (`child_main`, in every training process). The factory
+(`entrypoint.factory`, "pkg.mod:function", called with `entrypoint.kwargs`) returns a `ManagedJob`:
+the model, the training data set and optionally a loss function. The loop builds the engine with
+`deepfleet.engine.initialize`, resumes from the newest *complete* checkpoint under `checkpoint.dir`
+(model, optimizer, LR schedule, data position and RNG, at any world size), trains to `max_steps`
+optimizer steps, checkpoints every `checkpoint.every_steps` and at the end, posts heartbeats from rank
+0, and on a preemption notice checkpoints at the next step boundary and exits 75.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepfleet.engine.checkpoint.layout import find_latest_complete
+from deepfleet.worker.heartbeat import HeartbeatReporter
+from deepfleet.worker.signals import PreemptionWatcher, exit_preempted, mark_preempted
+from deepfleet.worker.spec import FactoryEntrypoint, Heartbeat, WorkerSpec, WorkerSpecError
+
+
+@dataclass
+class ManagedJob:
+    """What a factory returns. The engine calls `model(batch)`; with `loss_fn` the loss is
+    `loss_fn(model(batch), batch)`, without it `model(batch)` must return the scalar loss."""
+
+    model: torch.nn.Module
+    training_data: torch.utils.data.Dataset
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    config: dict[str, Any] | str | None = None  # used when the spec has no engine_config
+
+
+def build_job(entry: FactoryEntrypoint) -> ManagedJob:
+    """Import and call the factory; accept a ManagedJob or a mapping with the same keys."""
+    module_name, _, attr = entry.factory.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise WorkerSpecError([f"entrypoint.factory: cannot import {module_name!r} ({e}); put the package on "
+                               "PYTHONPATH or run the worker from the directory that holds it"]) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise WorkerSpecError([f"entrypoint.factory: {module_name!r} has no {attr!r}; name a function "
+                                   "defined in that module"])
+        obj = getattr(obj, part)
+    job = obj(**entry.kwargs)
+    if isinstance(job, Mapping):
+        job = ManagedJob(**job)
+    if not isinstance(job, ManagedJob):
+        raise TypeError(f"{entry.factory} returned {type(job).__name__}; return a ManagedJob (or a dict with "
+                        "model, training_data and optionally loss_fn, collate_fn, config)")
+    return job
+
+
+def _tokens(batch: Any) -> int:
+    """Tokens in one micro-batch: input_ids elements for token batches, else the batch's rows."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"].numel()
+    first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (list, tuple)) else batch
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+def _batches(loader: Any) -> Iterator[Any]:
+    while True:  # one pass per epoch, from the loader's saved position
+        yield from loader
+
+
+def _log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[deepfleet] {message}", flush=True)
+
+
+def _leave_group() -> None:
+    # Tear the process groups down before the interpreter exits: a gloo group (ours, or the checkpoint
+    # writer's) left to process exit can abort it ("terminate called without an active exception").
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_managed(spec: WorkerSpec) -> None:
+    """Train `spec`'s factory job to `spec.max_steps`; returns normally when done, exits 75 when preempted."""
+    import deepfleet.engine as engine_api
+
+    assert isinstance(spec.entrypoint, FactoryEntrypoint) and spec.max_steps is not None
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    engine_api.init_distributed(timeout=datetime.timedelta(seconds=spec.rendezvous.pg_timeout_s))
+    job = build_job(spec.entrypoint)
+    config = spec.engine_config if spec.engine_config is not None else job.config
+    if config is None:
+        raise WorkerSpecError(["engine_config: not set and the factory gave none; set engine_config to a "
+                               "DeepSpeed-style dict or path"])
+    engine, _, loader, _ = engine_api.initialize(model=job.model, config=config, training_data=job.training_data,
+                                                 collate_fn=job.collate_fn)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    ckpt_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else None
+    last_ckpt: str | None = None
+    if ckpt_dir is not None:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        path, _ = engine.load_checkpoint(ckpt_dir)
+        last_ckpt = Path(path).name if path else None
+    _log(rank, f"job {spec.job_id} attempt {spec.attempt} restart {restart}: world size {world}, "
+               f"starting at step {engine.global_steps}/{spec.max_steps}"
+               + (f" from checkpoint {last_ckpt}" if last_ckpt else ""))
+
+    def save() -> None:
+        nonlocal last_ckpt
+        if ckpt_dir is None:
+            return
+        engine.save_checkpoint(ckpt_dir, keep_last=spec.checkpoint.keep_last)
+        last_ckpt = find_latest_complete(ckpt_dir)
+
+    heartbeat = HeartbeatReporter(spec.heartbeat if rank == 0 else spec.heartbeat.model_copy(update={"url": None}))
+    heartbeat.start()
+    watcher = PreemptionWatcher(spec.preemption).install()
+    tokens, window_start, losses = 0, time.monotonic(), []
+    saved_at = engine.global_steps
+    batches = _batches(loader)
+    try:
+        while engine.global_steps < spec.max_steps:
+            batch = next(batches)
+            out = engine(batch)
+            loss = job.loss_fn(out, batch) if job.loss_fn is not None else out
+            engine.backward(loss)
+            before = engine.global_steps
+            engine.step()
+            tokens += _tokens(batch) * world
+            losses.append(loss.detach())
+            if engine.global_steps == before:
+                continue  # not an accumulation boundary
+            step = engine.global_steps
+            if ckpt_dir is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+                save()
+                saved_at = step
+            mean_loss = float(torch.stack(losses).float().mean())
+            losses = []
+            if step % spec.log_every_steps == 0 or step == spec.max_steps:
+                _log(rank, f"step {step}/{spec.max_steps} loss {mean_loss:.4f} restart {restart} t={time.time():.3f}")
+            if heartbeat.due():
+                elapsed = max(time.monotonic() - window_start, 1e-9)
+                heartbeat.submit(Heartbeat(step=step, loss=mean_loss, lr=engine.get_lr()[0],
+                                           grad_norm=engine.get_global_grad_norm(), tokens_per_s=tokens / elapsed,
+                                           last_complete_checkpoint=last_ckpt))
+                tokens, window_start = 0, time.monotonic()
+            if watcher.should_stop():
+                _log(rank, f"preemption ({watcher.reason}): checkpointing step {step}, "
+                           f"{watcher.remaining_s():.1f}s of grace left")
+                if saved_at != step:
+                    save()
+                if rank == 0:
+                    mark_preempted(last_ckpt)
+                _leave_group()
+                exit_preempted()
+        if ckpt_dir is not None and saved_at != engine.global_steps:
+            save()
+        if rank == 0:
+            heartbeat.submit(Heartbeat(step=engine.global_steps, last_complete_checkpoint=last_ckpt))
+        _log(rank, f"done at step {engine.global_steps}" + (f", checkpoint {last_ckpt}" if last_ckpt else ""))
+        _leave_group()
+    finally:
+        watcher.uninstall()
+        heartbeat.close()
+        sys.stdout.flush()
