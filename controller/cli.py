@@ -41,6 +41,11 @@ def validate(
     hidden_size: Annotated[
         int | None, typer.Option("--hidden-size", min=1, help="Model hidden size, to resolve \"auto\" ZeRO bucket sizes.")
     ] = None,
+    auto: Annotated[
+        list[str] | None,
+        typer.Option("--auto", metavar="KEY=VALUE",
+                     help='Value for an "auto" key, e.g. optimizer.params.lr=3e-5 (VALUE is JSON or text); repeatable.'),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the normalized config as one compact JSON line.")
     ] = False,
@@ -54,7 +59,7 @@ def validate(
 
     source: str | Path = config
     try:
-        cfg = load_config(source, world_size=world_size, hidden_size=hidden_size)
+        cfg = load_config(source, world_size=world_size, hidden_size=hidden_size, auto_values=_auto_values(auto))
     except ConfigError as e:
         for line in e.errors:
             typer.echo(line, err=True)
@@ -72,6 +77,20 @@ def schema() -> None:
 
 
 register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)
+
+
+def _auto_values(pairs: list[str] | None) -> dict[str, object]:
+    """`KEY=VALUE` options -> {dotted key: value}; VALUE is parsed as JSON when it is JSON, else kept as text."""
+    values: dict[str, object] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"expected KEY=VALUE, got {pair!r}", param_hint="--auto")
+        try:
+            values[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[key.strip()] = raw
+    return values
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import copy
 import difflib
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -373,24 +374,27 @@ def _hf_bucket_sizes(hidden_size: int) -> dict[str, int]:
     }
 
 
-def _resolve_auto(data: dict, *, path: str, hidden_size: int | None, auto_batch: set[str],
+_NEEDS_HIDDEN_SIZE = frozenset(_hf_bucket_sizes(1))
+
+
+def _resolve_auto(data: dict, *, path: str, fill: Mapping[str, Any], auto_batch: set[str],
                   errors: list[str]) -> None:
-    """Replace resolvable "auto" values, drop the batch triple's (derived later), report the rest."""
-    from_hidden = _hf_bucket_sizes(hidden_size) if hidden_size else {}
+    """Replace "auto" values found in `fill` (dotted key -> value), drop the batch triple's (derived
+    later), report the rest."""
     for key in list(data):
         value = data[key]
         dotted = f"{path}{key}"
         if isinstance(value, dict):
-            _resolve_auto(value, path=dotted + ".", hidden_size=hidden_size, auto_batch=auto_batch, errors=errors)
+            _resolve_auto(value, path=dotted + ".", fill=fill, auto_batch=auto_batch, errors=errors)
             continue
         if not (isinstance(value, str) and value == AUTO):
             continue
-        if dotted in BATCH_KEYS:
+        if dotted in fill:
+            data[key] = copy.deepcopy(fill[dotted])
+        elif dotted in BATCH_KEYS:
             auto_batch.add(dotted)
             del data[key]
-        elif dotted in from_hidden:
-            data[key] = from_hidden[dotted]
-        elif dotted in _hf_bucket_sizes(1):
+        elif dotted in _NEEDS_HIDDEN_SIZE:
             errors.append(
                 f"{dotted}: 'auto' needs the model's hidden size; pass hidden_size to load_config "
                 "(deepfleet validate --hidden-size) or set a number"
@@ -455,14 +459,21 @@ def _translate(error: dict) -> list[str]:
 
 
 def load_config(
-    source: dict | str | Path | DeepFleetConfig, *, world_size: int = 1, hidden_size: int | None = None
+    source: dict | str | Path | DeepFleetConfig,
+    *,
+    world_size: int = 1,
+    hidden_size: int | None = None,
+    auto_values: Mapping[str, Any] | None = None,
 ) -> DeepFleetConfig:
     """Parse, check and normalize a DeepSpeed-style config.
 
     `source`: a dict, a path to a .json/.yaml/.yml file, a JSON object string (or its base64, as
     DeepSpeed accepts), or an already loaded `DeepFleetConfig` (checked again). `world_size`:
     data-parallel ranks, used to derive the batch triple. `hidden_size`: the model's hidden size,
-    used to resolve HF-style `"auto"` bucket sizes. Raises `ConfigError` listing every problem.
+    used to resolve HF-style `"auto"` bucket sizes. `auto_values`: values for other `"auto"` keys,
+    by dotted key (what a trainer integration knows, e.g. `{"optimizer.params.lr": 3e-5}`); they
+    replace only keys whose value is `"auto"` and are validated like the rest.
+    Raises `ConfigError` listing every problem.
     """
     errors: list[str] = []
     if isinstance(source, DeepFleetConfig):  # re-resolve a loaded config, e.g. at another world size
@@ -476,8 +487,9 @@ def load_config(
     _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
     _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)
     check_keys(data, DeepFleetConfig, path="", errors=errors)
+    fill = {**(_hf_bucket_sizes(hidden_size) if hidden_size else {}), **dict(auto_values or {})}
     auto_batch: set[str] = set()
-    _resolve_auto(data, path="", hidden_size=hidden_size, auto_batch=auto_batch, errors=errors)
+    _resolve_auto(data, path="", fill=fill, auto_batch=auto_batch, errors=errors)
     _raw_checks(data, world_size=world_size, auto_batch=auto_batch, errors=errors)
     try:
         cfg = DeepFleetConfig.model_validate(data, context={"world_size": world_size, "auto": auto_batch})

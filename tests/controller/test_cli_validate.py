@@ -107,21 +107,37 @@ def test_inputs_that_are_not_config_files(tmp_path) -> None:
     assert "world-size" in bad_option.stderr
 
 
+HF_ZERO2_TEMPLATE = {  # HF Trainer's ZeRO-2 template as published, every trainer-specific value "auto"
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                  "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+# What the HF Trainer fills those "auto"s with, given as `--auto KEY=VALUE`.
+HF_AUTO_VALUES = [
+    "--auto", "fp16.enabled=true", "--auto", "bf16.enabled=false", "--auto", "optimizer.params.lr=5e-5",
+    "--auto", "optimizer.params.betas=[0.9, 0.999]", "--auto", "optimizer.params.eps=1e-8",
+    "--auto", "optimizer.params.weight_decay=0.0", "--auto", "gradient_clipping=1.0",
+    "--auto", "train_micro_batch_size_per_gpu=8", "--auto", "gradient_accumulation_steps=2",
+    "--auto", "scheduler.params.warmup_min_lr=0", "--auto", "scheduler.params.warmup_max_lr=5e-5",
+    "--auto", "scheduler.params.warmup_num_steps=500",
+]
+
+
 def test_full_hf_template_names_every_auto_the_engine_cannot_fill(tmp_path) -> None:
-    hf_zero2 = {
-        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-                 "hysteresis": 2, "min_loss_scale": 1},
-        "bf16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-        "zero_optimization": {"stage": 2, "allgather_bucket_size": 2e8, "reduce_bucket_size": 2e8},
-        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-    }
-    result = _validate(_write(tmp_path, "hf.json", hf_zero2))
+    result = _validate(_write(tmp_path, "hf.json", HF_ZERO2_TEMPLATE))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert [line.split(":")[0] for line in result.stderr.splitlines()] == [
         "bf16.enabled", "fp16.enabled", "gradient_accumulation_steps", "gradient_clipping",
         "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.lr", "optimizer.params.weight_decay",
+        "scheduler.params.warmup_max_lr", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_num_steps",
         "train_batch_size", "train_micro_batch_size_per_gpu",
     ]
 
@@ -203,6 +219,8 @@ zero_optimization:
 """
 
 REAL = [
+    ("hf-zero2-template-unchanged", "ds.json", HF_ZERO2_TEMPLATE, ["--world-size", "2", *HF_AUTO_VALUES],
+     {"train_batch_size": 32, "optimizer.params.lr": 5e-5, "fp16.enabled": True, "gradient_clipping": 1.0}),
     ("hf-zero2-offload-fp16", "ds.json", HF_ZERO2_FILLED, ["--world-size", "4"],
      {"train_batch_size": 32, "gradient_accumulation_steps": 1}),
     ("hf-zero3-auto-buckets", "ds.json", HF_ZERO3, ["--world-size", "8", "--hidden-size", "4096"],

@@ -303,3 +303,16 @@ def test_optimizer_and_scheduler_sections() -> None:
     assert _errors({"train_batch_size": 1, "optimizer": {"type": "adam", "params": {"max_grad_norm": 1.0}}}) == [
         "optimizer.params.max_grad_norm: not supported yet; use the top-level gradient_clipping instead"
     ]
+
+
+def test_auto_values_fill_only_auto_keys_and_are_validated() -> None:
+    raw = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}}
+    fill = {"optimizer.params.lr": 3e-5, "optimizer.params.betas": [0.9, 0.95], "train_micro_batch_size_per_gpu": 4,
+            "gradient_clipping": 9.0}
+    cfg = load_config(raw, world_size=2, auto_values=fill)
+    assert (cfg.optimizer.params.lr, cfg.optimizer.params.betas) == (3e-5, (0.9, 0.95))
+    assert (cfg.train_batch_size, cfg.gradient_clipping) == (8, 0.5)  # gradient_clipping was not "auto"
+    assert _errors(raw, auto_values={**fill, "optimizer.params.lr": "fast"}) == [
+        "optimizer.params.lr: expected a number, got str 'fast'; write a number without quotes"
+    ]
