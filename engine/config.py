@@ -8,7 +8,7 @@ DeepSpeed's code defaults, with every derived value resolved (batch triple, `ove
 Adam's weight decay, HF-style `"auto"` where it is well defined). Every problem is collected and
 raised at once as `ConfigError`, one line each: `"<dotted.key>: <problem>; <fix>"`.
 
-Order of `load_config`: read the source -> rename aliases -> canonicalize optimizer/scheduler
+Order of `load_config`: read the source -> legacy forms -> canonicalize optimizer/scheduler
 types -> drop unknown and not-yet-supported keys (named) -> resolve `"auto"` -> pydantic
 validation (types, ranges, cross-field checks) -> translate pydantic's errors to dotted lines.
 """
@@ -19,6 +19,7 @@ import base64
 import copy
 import difflib
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -189,10 +190,10 @@ class _RawBatch:
         self.usable = True
         for key in BATCH_KEYS:
             value = data.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or value != int(value)
-            ):
-                self.usable = False
+            usable = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if value is not None and not (usable and value > 0 and value == int(value)):
+                self.usable = False  # pydantic reports the value itself
+                value = None
             setattr(self, key, None if value is None else int(value))
 
 
@@ -329,14 +330,10 @@ def _top_level(data: Any, where: str, errors: list[str]) -> dict | None:
 # --------------------------------------------------------------------------- raw-dict passes
 
 
-def _rename_aliases(data: dict, errors: list[str]) -> None:
-    zero = data.get("zero_optimization")
-    if isinstance(zero, bool):
+def _legacy_forms(data: dict, errors: list[str]) -> None:
+    if isinstance(data.get("zero_optimization"), bool):
         errors.append('zero_optimization: the boolean form is not supported; write {"stage": 1} (or 0)')
         del data["zero_optimization"]
-    elif isinstance(zero, dict) and "stage3_gather_fp16_weights_on_model_save" in zero:
-        old = zero.pop("stage3_gather_fp16_weights_on_model_save")
-        zero.setdefault("stage3_gather_16bit_weights_on_model_save", old)
 
 
 def _canonical_type(data: dict, section: str, known: tuple[str, ...], unsupported: tuple[str, ...],
@@ -483,7 +480,7 @@ def load_config(
     data = _read_source(source, errors)
     if data is None:
         raise ConfigError(errors)
-    _rename_aliases(data, errors)
+    _legacy_forms(data, errors)
     _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
     _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)
     check_keys(data, DeepFleetConfig, path="", errors=errors)

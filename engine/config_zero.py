@@ -121,7 +121,9 @@ class ZeroConfig(ConfigSection):
     stage3_gather_16bit_weights_on_model_save: Bool = Field(
         False,
         validation_alias=AliasChoices(
-            "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"
+            "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",  # DeepSpeed's deprecated spelling
         ),
     )
     """Stage 3: gather full 16-bit weights when saving a model file."""
