@@ -14,6 +14,22 @@ def row_block(n_cols: int) -> int:
     return max(16, triton.next_power_of_2(n_cols))
 
 
+def rows_per_block(block: int) -> int:
+    """Rows one program handles together when rows are short (a (rows, block) tile of <= 4096 values)."""
+    return max(1, min(16, 4096 // block))
+
+
+def num_warps(block: int) -> int:
+    """Warps for a program holding `block` fp32 values per tensor: enough threads to keep registers low."""
+    if block >= 32768:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
 def reduction_programs(device: torch.device, n_rows: int) -> int:
     """How many programs share a reduction over rows (e.g. a weight gradient): a few per SM on CUDA."""
     if device.type == "cuda":

@@ -1,16 +1,23 @@
-"""Kernel tests run Triton in its CPU interpreter: the variable must be set before any kernel module is
-imported (Triton reads it when `@triton.jit` decorates), so it is set here, at collection time."""
+"""Kernel tests run Triton in its CPU interpreter, except a GPU run (`-m gpu`), where Triton must
+compile for the device. Triton reads TRITON_INTERPRET when a kernel is decorated, and our Triton modules
+are imported lazily on the first Triton call, so setting it here (before any test runs) is in time."""
 
 from __future__ import annotations
 
 import os
+import re
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from tests.kernels import tolerance
 
-from tests.kernels import tolerance  # noqa: E402
+
+def pytest_configure(config: pytest.Config) -> None:
+    markexpr = config.getoption("markexpr", default="") or ""
+    gpu_run = re.search(r"(?<!not )\bgpu\b", markexpr) is not None and torch.cuda.is_available()
+    if not gpu_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
