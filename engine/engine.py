@@ -11,6 +11,7 @@ advances `micro_steps`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +66,7 @@ class DeepFleetEngine(nn.Module):
         """Run the model on one micro-batch. Gradient sync is set here, before the forward, because
         DDP decides at forward time whether the coming backward communicates."""
         self.sharding.set_gradient_sync(self.is_gradient_accumulation_boundary())
+        args, kwargs = self.precision.prepare_inputs(args, kwargs)
         with self._timed("forward"):
             return self.sharding.module(*args, **kwargs)
 
@@ -233,6 +235,8 @@ def initialize(
     ensure_process_group()
     world_size, rank = dist.get_world_size(), dist.get_rank()
     cfg = source if isinstance(source, DeepFleetConfig) else load_config(source, world_size=world_size)
+    if cfg.dump_state and rank == 0:
+        logger.info("engine config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
 
     model.to(training_device())
     training = build_training(

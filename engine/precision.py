@@ -104,10 +104,19 @@ class Precision:
         *,
         scaler: DynamicLossScaler | StaticLossScaler,
         skip_on_overflow: bool,
+        cast_inputs: bool = False,
     ) -> None:
         self.compute_dtype = compute_dtype
         self.scaler = scaler
         self.skip_on_overflow = skip_on_overflow
+        self.cast_inputs = cast_inputs
+
+    def prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The forward's inputs, floating-point tensors cast to the compute dtype when the policy
+        casts inputs (`fp16.auto_cast`); unchanged otherwise."""
+        if not self.cast_inputs:
+            return args, kwargs
+        return _cast_floats(args, self.compute_dtype), _cast_floats(kwargs, self.compute_dtype)
 
     @property
     def loss_scale(self) -> float:
@@ -139,6 +148,17 @@ class Precision:
         self.scaler.load_state_dict(state["loss_scaler"])
 
 
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors inside nested dicts/lists/tuples (a batch) to `dtype`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {k: _cast_floats(v, dtype) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_floats(v, dtype) for v in x)
+    return x
+
+
 def build_precision(config: Any) -> Precision:
     """The precision policy for a resolved `DeepFleetConfig` (its `fp16` and `bf16` sections)."""
     fp16, bf16 = config.fp16, config.bf16
@@ -153,6 +173,6 @@ def build_precision(config: Any) -> Precision:
                 consecutive_hysteresis=bool(fp16.consecutive_hysteresis),
                 min_scale=float(fp16.min_loss_scale),
             )
-        return Precision(torch.float16, scaler=scaler, skip_on_overflow=True)
+        return Precision(torch.float16, scaler=scaler, skip_on_overflow=True, cast_inputs=bool(fp16.auto_cast))
     dtype = torch.bfloat16 if bf16 is not None and bf16.enabled else torch.float32
     return Precision(dtype, scaler=StaticLossScaler(1.0), skip_on_overflow=False)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,10 +59,11 @@ def test_scaler_state_round_trips() -> None:
         assert (a.scale, a.hysteresis_left) == (b.scale, b.hysteresis_left)
 
 
-def _config(fp16: dict | None = None, bf16: bool = False) -> SimpleNamespace:
-    section = {"enabled": False, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
-               "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1.0}
-    return SimpleNamespace(fp16=SimpleNamespace(**{**section, **(fp16 or {})}), bf16=SimpleNamespace(enabled=bf16))
+def _config(fp16: dict | None = None, bf16: bool = False):
+    from deepfleet.engine.config import load_config
+
+    return load_config({"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": False, **(fp16 or {})},
+                        "bf16": {"enabled": bf16}})
 
 
 def test_policies_from_config() -> None:
@@ -139,3 +139,15 @@ def test_fp16_overflow_skips_the_step_on_every_rank_and_adapts_the_scale() -> No
         assert [t["skipped"] for t in trace] == [1, 2, 2, 2, 3, 3]
         assert [t["lr_steps"] for t in trace] == [0, 0, 1, 2, 2, 3]
         assert trace[0]["dtype"] == "torch.float16"
+
+
+def test_auto_cast_casts_only_floating_inputs() -> None:
+    policy = build_precision(_config({"enabled": True, "auto_cast": True}))
+    args, kwargs = policy.prepare_inputs(
+        ({"x": torch.ones(2), "ids": torch.arange(3)}, [torch.zeros(1, dtype=torch.float64)]), {"y": torch.ones(1)}
+    )
+    assert args[0]["x"].dtype == torch.float16 and args[0]["ids"].dtype == torch.int64
+    assert args[1][0].dtype == torch.float16 and kwargs["y"].dtype == torch.float16
+    plain = build_precision(_config({"enabled": True}))
+    x = torch.ones(2)
+    assert plain.prepare_inputs((x,), {})[0][0] is x

@@ -3,7 +3,8 @@ batches, reduces gradients only on the accumulation boundary, and keeps bf16 clo
 
 The runs themselves live in `tests/engine/zero_runs.py` (one spawn per stage, shared with
 `test_memory.py`): 5 optimizer steps of AdamW (lr 1e-3, weight decay 0.01), micro batch 2, gradient
-accumulation 2, against a single-process AdamW on the mean loss over each global batch of 8 samples.
+accumulation 2, against a single-process AdamW on the mean loss over each global batch (8 samples
+on 2 ranks, 12 on 3).
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import pytest
 
 from tests.engine.zero_runs import STEPS, run_stage
 
-STAGES = [0, 1, 2, 3]
+# (stage, world size): every stage on 2 ranks, and stage 3 on 3 ranks (uneven, padded shards)
+STAGES = [(0, 2), (1, 2), (2, 2), (3, 2), (3, 3)]
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_fp32_matches_single_process_training(stage: int) -> None:
+@pytest.mark.parametrize(("stage", "world_size"), STAGES)
+def test_fp32_matches_single_process_training(stage: int, world_size: int) -> None:
     """Per-step losses within 1e-5 relative; final parameters within atol 1e-4 / rtol 1e-5.
 
     The parameter atol is 1e-4 (a tenth of one AdamW step at lr 1e-3) because AdamW divides by
     sqrt(v): where a gradient is near zero, float-rounding differences between a 2-rank sum and a
     single-process sum are amplified to a visible fraction of a step. Measured max |diff|: 2.1e-5."""
-    ranks = run_stage(stage)
+    ranks = run_stage(stage, world_size)
     run, ref = ranks[0]["fp32"], ranks[0]["ref"]
     assert len(run["losses"]) == STEPS and run["global_steps"] == STEPS
     np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5, atol=0)
@@ -35,8 +37,8 @@ def test_fp32_matches_single_process_training(stage: int) -> None:
     assert moved > 1e-3
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_bf16_loss_curve_stays_close_to_fp32(stage: int) -> None:
+@pytest.mark.parametrize(("stage", "world_size"), STAGES)
+def test_bf16_loss_curve_stays_close_to_fp32(stage: int, world_size: int) -> None:
     """bf16 losses within 1e-2 relative of the fp32 reference at every step.
 
     Why 1e-2: bf16 keeps 8 significant bits (unit roundoff 2**-9 ~ 2e-3), so weights and activations
@@ -45,20 +47,20 @@ def test_bf16_loss_curve_stays_close_to_fp32(stage: int) -> None:
     here: max relative difference ~1e-4 over 5 steps on every stage; 1e-2 leaves room for other
     CPUs' bf16 matmul kernels while still failing if bf16 training diverges or the masters are not
     fp32 (the lr 1e-3 updates would then round away)."""
-    ranks = run_stage(stage)
+    ranks = run_stage(stage, world_size)
     bf16, ref = ranks[0]["bf16"]["losses"], ranks[0]["ref"]["losses"]
     np.testing.assert_allclose(bf16, ref, rtol=1e-2, atol=0)
     assert bf16 != ref  # it really ran in bf16
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_no_gradient_collective_on_non_boundary_micro_steps(stage: int) -> None:
+@pytest.mark.parametrize(("stage", "world_size"), STAGES)
+def test_no_gradient_collective_on_non_boundary_micro_steps(stage: int, world_size: int) -> None:
     """Collectives are counted by the torch profiler, which records every gloo process-group op
     (`gloo:all_reduce`, `gloo:all_gather`, ...) issued during the micro-step's forward, backward and
     step. Non-boundary micro-steps must issue no reduction (stages 0-2: nothing at all; stage 3 only
     the parameter all-gathers that sharded parameters need to run); the boundary micro-step does
     reduce (the positive control that the counter sees the ops)."""
-    for rank, result in enumerate(run_stage(stage)):
+    for rank, result in enumerate(run_stage(stage, world_size)):
         comm = result["fp32"]["comm"]
         if stage < 3:
             assert comm["accumulate"] == [], f"rank {rank}: {comm['accumulate']}"
