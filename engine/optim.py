@@ -131,17 +131,22 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)            # m = b1 m + (1 - b1) g
         torch._foreach_mul_(exp_avg_sqs, beta2)                        # v = b2 v + (1 - b2) g^2
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        # Two temporaries of the parameters' size (denominator, update), whatever the options.
         if group["bias_correction"]:
             counts = [float(s) for s in steps]
-            m_hat = torch._foreach_div(exp_avgs, [1.0 - beta1**t for t in counts])
-            v_hat = torch._foreach_div(exp_avg_sqs, [1.0 - beta2**t for t in counts])
+            denom = torch._foreach_div(exp_avg_sqs, [1.0 - beta2**t for t in counts])   # v_hat
         else:
-            m_hat, v_hat = exp_avgs, exp_avg_sqs
+            denom = torch._foreach_mul(exp_avg_sqs, 1.0)                                 # a copy of v
         if group["eps_inside_sqrt"]:
-            denom = torch._foreach_sqrt(torch._foreach_add(v_hat, group["eps"]))
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_sqrt_(denom)
         else:
-            denom = torch._foreach_add(torch._foreach_sqrt(v_hat), group["eps"])
-        update = torch._foreach_div(m_hat, denom)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, group["eps"])
+        update = torch._foreach_div(exp_avgs, denom)                                      # m / denom
+        del denom
+        if group["bias_correction"]:
+            torch._foreach_div_(update, [1.0 - beta1**t for t in counts])                # m_hat / denom
         if group["weight_decay"]:
             torch._foreach_add_(update, params, alpha=group["weight_decay"])
         w_norm, u_norm = _norms(params), _norms(update)                 # (n,), (n,)
