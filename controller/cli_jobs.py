@@ -157,10 +157,13 @@ def register(app: typer.Typer) -> None:
 
         with _client(url, token) as client:
             page = _call(client.list_jobs, phase=phase, label=label, limit=limit)
-        table = Table("ID", "NAME", "PHASE", "QUEUE", "ATTEMPT", "CREATED", box=None)
+        table = Table(box=None)
+        for header in ("ID", "NAME", "PHASE", "QUEUE", "ATTEMPT", "CREATED"):
+            table.add_column(header, no_wrap=True)  # ids are what every other command takes: never cut
         for j in page["items"]:
             table.add_row(j["id"], j["name"], j["phase"], j["queue"], str(j["attempt"]), j["created_at"][:19])
-        Console().print(table)
+        console = Console()
+        Console(width=max(console.width, 160) if not console.is_terminal else None).print(table)
 
     @app.command()
     def get(job_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
