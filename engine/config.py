@@ -262,20 +262,32 @@ def _read_source(source: Any, errors: list[str]) -> dict | None:
         )
         return None
     path = Path(source)
-    if isinstance(source, str) and not path.exists():
+    try:
+        exists, is_file = path.exists(), path.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the OS, a NUL byte, ...
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        exists, is_file = False, False
+        errors.append(f"config: {_shorten(source)!r} is not a usable path ({reason}); pass a path to a "
+                      ".json/.yaml file or a JSON object string")
+    if isinstance(source, str) and not exists:
         decoded = _base64_json(source)
         if decoded is not None:  # DeepSpeed also accepts a base64-encoded JSON config string
+            errors.clear()
             return _parse_json_string(decoded, errors)
-    if not path.exists():
-        errors.append(f"config: file not found: {path}; pass a path to a .json/.yaml file or a JSON object string")
+    if errors:
         return None
-    if not path.is_file():
+    if not exists:
+        errors.append(f"config: file not found: {_shorten(path)}; pass a path to a .json/.yaml file or a JSON "
+                      "object string")
+        return None
+    if not is_file:
         errors.append(f"config: {path} is not a file; pass a .json/.yaml config file")
         return None
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        errors.append(f"config: cannot read {path} ({e}); check the file's permissions and encoding")
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        errors.append(f"config: cannot read {path} ({reason}); check the file's permissions and encoding")
         return None
     if path.suffix.lower() in (".yaml", ".yml"):
         loader = _YamlLoader(text)
@@ -299,6 +311,13 @@ def _read_source(source: Any, errors: list[str]) -> dict | None:
             errors.append(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}; fix the JSON syntax there")
             return None
     return _top_level(data, str(path), errors)
+
+
+def _shorten(value: object, limit: int = 120) -> str:
+    text = str(value)
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")  # one line, control characters visible
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _parse_json_string(text: str, errors: list[str]) -> dict | None:

@@ -316,3 +316,11 @@ def test_auto_values_fill_only_auto_keys_and_are_validated() -> None:
     assert _errors(raw, auto_values={**fill, "optimizer.params.lr": "fast"}) == [
         "optimizer.params.lr: expected a number, got str 'fast'; write a number without quotes"
     ]
+
+
+def test_strings_that_cannot_be_paths_are_one_line_errors() -> None:
+    [line] = _errors("a" * 5000)
+    assert line.startswith("config: 'aaaa") and "(5000 characters)' is not a usable path" in line
+    assert _errors("ds\x00config.json") == [
+        "config: file not found: ds\\x00config.json; pass a path to a .json/.yaml file or a JSON object string"
+    ]
