@@ -28,23 +28,33 @@ def init_distributed(
     dist_backend: str | None = None,
     *,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
 ) -> None:
-    """Join the process group described by the environment (torchrun's env://).
+    """Join the process group described by the environment (torchrun's env://), or by `init_method`
+    with explicit `rank` and `world_size`.
 
-    A no-op when a group already exists, or when no WORLD_SIZE is set (a single process; see
-    `ensure_process_group`). `dist_backend` defaults to nccl with CUDA, gloo otherwise."""
-    if dist.is_initialized() or _env_world_size() is None:
+    A no-op when a group already exists, or when neither WORLD_SIZE nor an explicit world size is
+    given (a single process; see `ensure_process_group`). `dist_backend` defaults to nccl with CUDA,
+    gloo otherwise. Raises ValueError when the environment is half set."""
+    explicit = world_size >= 0
+    if dist.is_initialized() or (_env_world_size() is None and not explicit):
         return
-    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if explicit and rank < 0:
+        raise ValueError("rank: required with world_size; pass both, or neither to use the environment")
+    needed = ("MASTER_ADDR", "MASTER_PORT") if explicit else ("RANK", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in needed if k not in os.environ] if init_method is None else []
     if missing:
         raise ValueError(
-            f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with torchrun or set all of "
-            "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"
+            f"{', '.join(missing)} not set; launch with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR "
+            "and MASTER_PORT, or pass init_method="
         )
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    placement = {"rank": rank, "world_size": world_size} if explicit else {}
+    dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout, **placement)
 
 
 def ensure_process_group(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:

@@ -70,37 +70,44 @@ class DeepFleetEngine(nn.Module):
         with self._timed("forward"):
             return self.sharding.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backpropagate `loss / gradient_accumulation_steps`, multiplied by the loss scale (fp16)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagate `loss / gradient_accumulation_steps` (unless `scale_wrt_gas` is False),
+        multiplied by the loss scale (fp16). Returns `loss` unchanged."""
         self._losses.append(loss.detach())
+        divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         with self._timed("backward"):
-            self.precision.scale_loss(loss / self.config.gradient_accumulation_steps).backward()
+            self.precision.scale_loss(loss / divisor).backward(retain_graph=retain_graph)
         return loss
 
-    def step(self) -> None:
-        """End a micro-step; on the accumulation boundary, take the optimizer step."""
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """End a micro-step; on the accumulation boundary, take the optimizer step (`lr_kwargs` go to
+        the LR scheduler's step)."""
         if self.is_gradient_accumulation_boundary():
             with self._timed("step"):
-                self._take_model_step()
+                self._take_model_step(lr_kwargs or {})
             self._report()
         self.micro_steps += 1
 
-    def _take_model_step(self) -> None:
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the boundary step does this itself)."""
+        self.sharding.zero_grad()
+
+    def _take_model_step(self, lr_kwargs: dict) -> None:
         overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
         self._grad_norm = self.sharding.clip_grad_norm_(self.config.gradient_clipping)
         if self.precision.update(overflow):  # False: fp16 overflow, the step is skipped
             self.optimizer.step()
             self.sharding.after_optimizer_step()
-            self._advance_lr()
+            self._advance_lr(lr_kwargs)
         else:
             self.skipped_steps += 1
         self.sharding.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
 
-    def _advance_lr(self) -> None:
+    def _advance_lr(self, lr_kwargs: dict) -> None:
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**lr_kwargs)
 
     def train(self, mode: bool = True) -> DeepFleetEngine:
         super().train(mode)

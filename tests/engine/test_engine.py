@@ -210,3 +210,34 @@ def test_state_dict_round_trip_uses_original_fqns(stage: int, bf16: bool) -> Non
     if stage == 0:  # the 16-bit copy the model runs on follows the masters
         for n, p in m.named_parameters():
             assert torch.equal(p.detach(), saved[n].to(p.dtype)), n
+
+
+def test_init_distributed_is_a_no_op_alone_and_names_missing_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.spawn import free_port
+
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    deepspeed.init_distributed()
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK, MASTER_ADDR, MASTER_PORT not set"):
+        deepspeed.init_distributed()
+    with pytest.raises(ValueError, match="rank: required"):
+        deepspeed.init_distributed(world_size=1)
+    deepspeed.init_distributed("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+    deepspeed.init_distributed()  # already initialized: no-op
+
+
+def test_backward_options_and_checkpoint_argument_check() -> None:
+    engine, *_ = init({"optimizer": ADAMW, "gradient_accumulation_steps": 2})
+    batch = {k: v.unsqueeze(0) for k, v in data()[0].items()}
+    engine.backward(engine(batch))
+    grads = [p.grad.clone() for p in engine.module.parameters()]
+    engine.zero_grad()
+    loss = engine(batch)
+    engine.backward(loss, retain_graph=True, scale_wrt_gas=False)  # not divided by the 2 micro-steps
+    for g, p in zip(grads, engine.module.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, 2 * g)
+    with pytest.raises(ValueError, match="load_module_strict"):
+        engine.load_checkpoint("/nonexistent", load_module_strict=False)
