@@ -28,7 +28,7 @@ from deepfleet.controller.spec import JobSpec, job_world_size, node_bounds
 from deepfleet.worker.spec import FailureReport
 from deepfleet.worker.spec import Heartbeat as HeartbeatReport
 from sqlalchemy import Select, and_, exists, func, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 
 class Conflict(ValueError):
@@ -136,13 +136,20 @@ def _filtered(query: Select[Any], f: JobFilter) -> Select[Any]:
 def list_jobs(
     session: Session, f: JobFilter, *, limit: int, after: tuple[datetime, str] | None = None
 ) -> tuple[list[Job], int]:
-    """Newest first, keyset-paginated on (created_at, id); also the total count matching the filter."""
-    query = _filtered(select(Job), f).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    """Newest first, keyset-paginated on (created_at, id); also the total count matching the filter.
+
+    The count rides along as a scalar subquery, so a page costs one round trip (plus one for labels).
+    """
+    total_query = _filtered(select(func.count(Job.id)), f).scalar_subquery()
+    # A listing shows summaries: leave the spec and heartbeat documents in the database.
+    query = _filtered(select(Job, total_query), f).options(defer(Job.spec), defer(Job.last_heartbeat)).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
     if after is not None:
         created, job_id = after
         query = query.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id)))
-    total = session.scalar(_filtered(select(func.count(Job.id)), f)) or 0
-    return list(session.scalars(query)), total
+    rows = session.execute(query).all()
+    if rows:
+        return [job for job, _ in rows], rows[0][1]
+    return [], session.scalar(_filtered(select(func.count(Job.id)), f)) or 0
 
 
 def request_cancel(session: Session, job: Job, *, actor: str) -> bool:
