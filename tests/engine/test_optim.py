@@ -232,3 +232,21 @@ def test_dtensor_shards_step_like_the_full_parameter() -> None:
     # ZeRO-3 hands DTensor shards to the optimizer: Lamb's trust ratio must use whole-parameter norms.
     results = spawn(_sharded_vs_full, 2, timeout=180)
     assert results == [{"Lamb": pytest.approx(0.0, abs=1e-12), "Lion": pytest.approx(0.0, abs=1e-12)}] * 2
+
+
+
+@pytest.mark.gpu
+def test_lamb_and_lion_on_cuda_match_cpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for cls in (Lamb, Lion):
+        cpu = _params(4)
+        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+        opt_cpu, opt_gpu = cls(cpu, lr=0.01, weight_decay=0.1), cls(gpu, lr=0.01, weight_decay=0.1)
+        for step in range(3):
+            for c, g, grad in zip(cpu, gpu, _grads(step, cpu), strict=True):
+                c.grad, g.grad = grad, grad.cuda()
+            opt_cpu.step()
+            opt_gpu.step()
+        for c, g in zip(cpu, gpu, strict=True):
+            torch.testing.assert_close(g.detach().cpu(), c.detach(), rtol=1e-9, atol=1e-12)
