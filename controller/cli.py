@@ -76,6 +76,26 @@ def schema() -> None:
     typer.echo(json.dumps(JobSpec.model_json_schema(), indent=2))
 
 
+db_app = typer.Typer(help="Controller database maintenance.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    database_url: Annotated[
+        str | None, typer.Option("--database-url", help="Default: DEEPFLEET_DATABASE_URL / DATABASE_URL.")
+    ] = None,
+) -> None:
+    """Migrate the controller database to the newest schema (the Helm chart's pre-install hook)."""
+    import subprocess
+    import sys
+
+    # The CLI never imports the database layer (import contract); the migration runs as its own module.
+    argv = [sys.executable, "-m", "deepfleet.controller.db.migrate", "upgrade"]
+    argv += ["--database-url", database_url] if database_url else []
+    raise typer.Exit(subprocess.call(argv))
+
+
 register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)
 
 

@@ -52,3 +52,44 @@ def _run(url: str, action: str, target: str) -> None:
             getattr(command, action)(cfg, target)
     finally:
         engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m deepfleet.controller.db.migrate {upgrade,downgrade,current}` (what `deepfleet db` runs).
+
+    The database comes from --database-url, else the controller settings (DEEPFLEET_DATABASE_URL,
+    DATABASE_URL, or the embedded SQLite default).
+    """
+    import argparse
+    import sys
+
+    from deepfleet.controller.settings import Settings, SettingsError
+
+    parser = argparse.ArgumentParser(prog="deepfleet db", description="Migrate the controller database.")
+    parser.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    parser.add_argument("revision", nargs="?", help="Target revision (default: head for upgrade, base for downgrade).")
+    parser.add_argument("--database-url", help="SQLAlchemy URL; default from DEEPFLEET_DATABASE_URL / DATABASE_URL.")
+    args = parser.parse_args(argv)
+    try:
+        url = args.database_url or Settings.from_env().db_url
+    except SettingsError as e:
+        print("\n".join(e.errors), file=sys.stderr)
+        return 2
+    if args.action == "current":
+        cfg = alembic_config(url)
+        engine = make_engine(url)
+        try:
+            with engine.connect() as connection:
+                cfg.attributes["connection"] = connection
+                command.current(cfg)
+        finally:
+            engine.dispose()
+        return 0
+    target = args.revision or ("head" if args.action == "upgrade" else "base")
+    _run(url, args.action, target)
+    print(f"database {args.action}d to {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

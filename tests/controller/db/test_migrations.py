@@ -92,3 +92,14 @@ def test_embedded_sqlite_default(tmp_path: Path) -> None:
         with pytest.raises(IntegrityError, match="FOREIGN KEY"):
             session.commit()
     engine.dispose()
+
+
+def test_db_upgrade_command(empty_db_url: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "deepfleet.controller.cli", "db", "upgrade", "--database-url",
+                           empty_db_url], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert TABLES <= _tables(empty_db_url)
+    assert _drift(empty_db_url) == []
