@@ -195,7 +195,8 @@ def _failed(job: JobState, fc: FailureClass | None, detail: str, now: datetime) 
             Kind.FAIL,
             Phase.FAILED,
             reason="UserError",
-            message=f"training code failed, not retried (set restartPolicy.retryOnUserError to retry): {detail}",
+            message=f"the training code raised, not retried (the restart policy does not retry user errors): "
+            f"{detail}; fix the code and resubmit",
         )
     counts = fc is not FailureClass.PREEMPTED
     if counts and job.restarts >= job.max_restarts:

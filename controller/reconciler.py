@@ -88,7 +88,10 @@ class Reconciler:
         if self._hold_lease(f"{SCHEDULER_LEASE}-{self.config.backend_name}", now):
             self._admit(now)
         for job_id in self._claim(now):
-            self._reconcile_job(job_id, now)
+            try:
+                self._reconcile_job(job_id, now)
+            except Exception:  # one bad job must not stall the others; its claim expires and it is retried
+                log.exception("job %s: reconcile failed", job_id)
 
     # ------------------------------------------------------------------ leases and claims
     def _hold_lease(self, name: str, now: datetime) -> bool:
@@ -197,6 +200,10 @@ class Reconciler:
                     return
                 job = s.get(Job, job_id)
                 self._transition(s, job, Phase.FAILED, "BackendError", str(e), now)
+            except ValueError as e:  # the stored spec cannot be compiled (e.g. factory args): a user error
+                s.rollback()
+                job = s.get(Job, job_id)
+                self._transition(s, job, Phase.FAILED, "InvalidSpec", str(e), now)
             if job.phase in (p.value for p in lifecycle.TERMINAL):
                 job.claimed_by, job.claim_expires_at = None, None
             s.commit()
@@ -217,6 +224,7 @@ class Reconciler:
             restarts=counted,
             max_restarts=int(policy.get("maxRestarts", 3)),
             backoff_seconds=float(policy.get("backoffSeconds", 5.0)),
+            retry_user_errors=bool(policy.get("retryOnUserError", False)),  # once the JobSpec offers it
             cancel_requested=job.desired_state == "cancel_requested",
             submitted=attempt is not None,
             not_before=job.not_before,

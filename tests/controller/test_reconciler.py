@@ -180,3 +180,14 @@ def test_two_replicas_on_one_database_run_each_job_exactly_once(tmp_path: Path) 
         assert events(sessions, j).count("Submitted") == 1
     with sessions() as s:
         assert len(list(s.scalars(select(Attempt)))) == 6
+
+
+def test_a_spec_that_cannot_compile_fails_the_job_with_the_field(tmp_path: Path) -> None:
+    sessions = sqlite(tmp_path)
+    rec = reconciler(sessions, tmp_path)
+    doc = job_document("factory")
+    doc["spec"]["entrypoint"] = {"factory": "examples.gpt.factories:build", "args": ["steps"]}
+    job_id = insert_job(sessions, doc)
+    final = drive(rec, sessions, job_id, {"FAILED", "SUCCEEDED"})
+    assert final.phase == "FAILED" and final.message.startswith("spec.entrypoint.args[0]: 'steps' is not key=value")
+    assert events(sessions, job_id)[-1] == "InvalidSpec"
