@@ -4,7 +4,7 @@ each rank trains on.
 Called by `engine.initialize` (and by user scripts that want the group before building their model).
 torchrun/torch.distributed.elastic exports RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, so `env://` is the
 only rendezvous we need; gloo on CPU, nccl when CUDA is present. A plain `python train.py` without
-those variables gets a one-rank gloo group over an in-memory store, so every ZeRO strategy can rely on
+those variables gets a one-rank group over an in-memory store, so every ZeRO strategy can rely on
 a process group (DDP and FSDP2 require one) without opening a port.
 """
 
@@ -58,10 +58,12 @@ def init_distributed(
 
 
 def ensure_process_group(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
-    """`init_distributed()`, then, if still alone, a one-rank gloo group on an in-memory store."""
+    """`init_distributed()`, then, if still alone, a one-rank group (nccl with CUDA, else gloo) on an
+    in-memory store."""
     init_distributed(timeout=timeout)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def training_device() -> torch.device:
