@@ -4,6 +4,12 @@ Called by `engine.initialize`. `build_training(...)` takes the user's model (fp3
 resolved config and the user's optional optimizer/scheduler objects or factories, and returns what the
 engine sequences: the precision policy, the ZeRO strategy, the optimizer and the LR scheduler.
 The stage picks its strategy class from `STRATEGIES`; nothing else here branches on a feature.
+
+`prescale_gradients` and `gradient_predivide_factor` only move where DeepSpeed divides by the world size
+(before or after the sum) to keep fp16 sums in range; every strategy here reduces in fp32, where the
+order makes no difference, so those keys are accepted and change nothing. Any torch optimizer works at
+every stage (the strategies hand it plain or DTensor tensors), so `zero_allow_untested_optimizer` is
+not needed either.
 """
 
 from __future__ import annotations
