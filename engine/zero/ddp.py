@@ -8,7 +8,9 @@ micro-steps the engine turns sync off, which DDP reads when the forward starts (
 16-bit training (bf16/fp16) keeps fp32 master weights here, as DeepSpeed does: the model runs in 16 bits,
 the optimizer updates the fp32 masters, and `after_optimizer_step` copies them back. Gradients are
 all-reduced in fp32 by a DDP communication hook (gloo sums bf16 in bf16, which loses low bits: 256 + 1
-stays 256), then unscaled into the masters' fp32 `.grad`.
+stays 256), then unscaled into the masters' fp32 `.grad`. Between boundaries, micro-step gradients accumulate in
+the 16-bit `.grad` (DDP's buckets), where DeepSpeed accumulates in fp32: one extra rounding per
+accumulation step, within the bf16 tolerance the tests document.
 
 The state dict is assembled here, not by `get_state_dict`: that helper finds optimizer state through the
 module's own parameters and cannot see fp32 masters, and one path for fp32 and 16-bit is simpler.
