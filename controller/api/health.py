@@ -114,6 +114,12 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
 
+    async def _bad_length(self, send: Send) -> None:
+        body = b'{"detail":"invalid Content-Length header","errors":["(headers).content-length: not a number"]}'
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
     async def _too_large(self, send: Send) -> None:
         body = (b'{"detail":"request body too large","errors":["(body): larger than %d bytes; '
                 b'send a smaller document (inline large engine configs by path instead)"]}' % self.max_bytes)
@@ -128,7 +134,10 @@ class BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None:
-            if not length.isdigit() or int(length) > self.max_bytes:
+            if not length.isdigit():
+                await self._bad_length(send)
+                return
+            if int(length) > self.max_bytes:
                 await self._too_large(send)
                 return
             await self.app(scope, receive, send)
