@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from deepfleet.kernels._triton.launch import elementwise_block
 
-BLOCK = 1024
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 SQRT_2_OVER_PI = 0.7978845608028654
 SQRT_HALF = 0.7071067811865476
@@ -60,9 +60,9 @@ def _glu_bwd(dy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, ACT: tl.constexpr,
 def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty_like(gate)
-    n = gate.numel()
+    n, block = gate.numel(), elementwise_block(gate.device)
     if n:
-        _glu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, y, n, ACT=ACTIVATIONS[activation], BLOCK=BLOCK)
+        _glu_fwd[(triton.cdiv(n, block),)](gate, up, y, n, ACT=ACTIVATIONS[activation], BLOCK=block)
     return y
 
 
@@ -71,7 +71,7 @@ def glu_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    n = gate.numel()
+    n, block = gate.numel(), elementwise_block(gate.device)
     if n:
-        _glu_bwd[(triton.cdiv(n, BLOCK),)](dy, gate, up, dgate, dup, n, ACT=ACTIVATIONS[activation], BLOCK=BLOCK)
+        _glu_bwd[(triton.cdiv(n, block),)](dy, gate, up, dgate, dup, n, ACT=ACTIVATIONS[activation], BLOCK=block)
     return dgate, dup

@@ -14,6 +14,12 @@ def row_block(n_cols: int) -> int:
     return max(16, triton.next_power_of_2(n_cols))
 
 
+def elementwise_block(device: torch.device) -> int:
+    """Elements per program of an elementwise kernel: GPU-sized on CUDA; larger under the CPU interpreter,
+    whose cost is per program, not per element."""
+    return 1024 if device.type == "cuda" else 8192
+
+
 def rows_per_block(block: int) -> int:
     """Rows one program handles together when rows are short (a (rows, block) tile of <= 4096 values)."""
     return max(1, min(16, 4096 // block))

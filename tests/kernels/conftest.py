@@ -26,6 +26,28 @@ def _one_thread_and_seed():
     torch.manual_seed(0)
 
 
+# opcheck's aot-dispatch test retraces the op; on the (slow) interpreter the schema, autograd-registration
+# and fake-tensor tests are kept and the retrace is checked once, on the reference path.
+OPCHECK_TESTS = {
+    "torch": ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    "triton": ("test_schema", "test_autograd_registration", "test_faketensor"),
+}
+
+
+@pytest.fixture(params=["torch", "triton"])
+def opcheck(request):
+    """opcheck(op, args) under one implementation (the test runs once per implementation)."""
+    impl = request.param
+
+    def run(op, args) -> None:
+        from deepfleet.kernels._dispatch import force_impl
+
+        with force_impl(impl):
+            torch.library.opcheck(op, args, test_utils=OPCHECK_TESTS[impl])
+
+    return run
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print the largest error each kernel showed against its reference, per dtype."""
     if not tolerance.MAX_ERRORS:

@@ -99,12 +99,10 @@ def test_triton_reports_overflow_and_leaves_state_untouched() -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=key)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_opcheck(impl: str) -> None:
+def test_opcheck(opcheck) -> None:
     g = _group([(3, 5), (4,)], grad_dtype=torch.bfloat16, model_dtype=torch.bfloat16)
     args = (g["params"], g["grads"], g["exp_avgs"], g["exp_avg_sqs"], g["model_params"], torch.tensor(4.0))
-    with force_impl(impl):
-        torch.library.opcheck(fused_adamw_op, (*args, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1))
+    opcheck(fused_adamw_op, (*args, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1))
 
 
 def test_rejects_mismatched_group() -> None:

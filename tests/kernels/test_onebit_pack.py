@@ -54,13 +54,11 @@ def test_triton_matches_reference(shape: tuple[int, ...], chunk_size: int, dtype
     assert_close("onebit_unpack.values", values, values_ref)
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_opcheck(impl: str) -> None:
+def test_opcheck(opcheck) -> None:
     x, error = torch.randn(45), torch.randn(45)
-    with force_impl(impl):
-        torch.library.opcheck(onebit_pack_op, (x, error, 16))
-        packed, scales = onebit_pack(x, error.clone(), chunk_size=16)
-        torch.library.opcheck(onebit_unpack_op, (packed, scales, 45, 16, torch.bfloat16))
+    opcheck(onebit_pack_op, (x, error, 16))
+    packed, scales = onebit_pack_reference(x, error.clone(), 16)
+    opcheck(onebit_unpack_op, (packed, scales, 45, 16, torch.bfloat16))
 
 
 def test_rejects_bad_arguments() -> None:
