@@ -86,3 +86,18 @@ def _betas(value: Any) -> Any:
 
 
 Betas = Annotated[tuple[float, float], BeforeValidator(_betas)]
+
+
+def _rates(value: Any) -> Any:
+    """A learning rate, or one per param group (DeepSpeed's warmup and range-test schedules accept lists)."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("expected a number or a non-empty list of numbers, got []; write one rate per param group")
+        return [_rates(v) for v in value]
+    rate = _number(value)
+    if rate < 0:
+        raise ValueError(f"must be >= 0, got {value!r}; set a non-negative learning rate")
+    return rate
+
+
+PerGroupRate = Annotated[float | list[float], BeforeValidator(_rates)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from deepfleet.engine.config_base import Betas, Bool, ConfigSection, Float, Int
+from deepfleet.engine.config_base import Betas, Bool, ConfigSection, Float, Int, PerGroupRate
 from pydantic import Field, model_validator
 
 # DeepSpeed matches optimizer types case-insensitively; these are the canonical spellings.
@@ -225,10 +225,10 @@ class _Warmup(ConfigSection):
 class WarmupLRParams(_Warmup):
     """Parameters of `WarmupLR`: rise from warmup_min_lr to warmup_max_lr, then hold."""
 
-    warmup_min_lr: Float = Field(0.0, ge=0.0)
-    """Learning rate at step 0."""
-    warmup_max_lr: Float | None = Field(None, ge=0.0)
-    """Learning rate at the end of warmup; unset uses the optimizer's lr."""
+    warmup_min_lr: PerGroupRate = 0.0
+    """Learning rate at step 0 (a number, or one per param group)."""
+    warmup_max_lr: PerGroupRate | None = None
+    """Learning rate at the end of warmup (a number, or one per param group); unset uses each group's lr."""
 
 
 class WarmupDecayLRParams(WarmupLRParams):
@@ -312,8 +312,8 @@ class OneCycleParams(ConfigSection):
 class LRRangeTestParams(ConfigSection):
     """Parameters of `LRRangeTest`: lr = min_lr * (1 + step_rate * interval), interval continuous or stepped."""
 
-    lr_range_test_min_lr: Float = Field(1e-3, ge=0.0)
-    """Learning rate at step 0."""
+    lr_range_test_min_lr: PerGroupRate = 1e-3
+    """Learning rate at step 0 (a number, or one per param group)."""
     lr_range_test_step_size: Int = Field(2000, gt=0)
     """Steps per unit of interval."""
     lr_range_test_step_rate: Float = Field(1.0, ge=0.0)

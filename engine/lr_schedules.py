@@ -9,9 +9,10 @@ Step convention (DeepSpeed's): `last_batch_iteration` starts at -1 and each `ste
 rate of the optimizer step that follows is f(last_batch_iteration). Torch's `LRScheduler` applies a
 first step at construction (`last_epoch` 0), so here `last_batch_iteration = last_epoch - 1`.
 
-Per-group behaviour: rates given as scalars in the config apply to every group; "unset" maximum
-rates (`WarmupLR.warmup_max_lr`) and the ratio schedules (`WarmupCosineLR`) use each group's own
-initial lr, so param groups with different base rates keep their ratio. Deliberate differences to
+Per-group behaviour: a rate given as one number applies to every group, a list (WarmupLR,
+WarmupDecayLR, LRRangeTest, as DeepSpeed allows) gives one per group; an unset
+`WarmupLR.warmup_max_lr` and the ratio schedule (`WarmupCosineLR`) use each group's own initial
+lr, so param groups with different base rates keep their ratio. Deliberate differences to
 DeepSpeed, both at edges: OneCycle keeps each group's beta2 (DeepSpeed forces 0.99) and cycles
 `momentum` for optimizers without `betas` (DeepSpeed then disables cycling); WarmupCosineLR starts
 at `warmup_min_ratio` (DeepSpeed applies 0 before its first step).
@@ -74,15 +75,26 @@ class _StepSchedule(LRScheduler):
         return self.last_epoch - 1
 
     def get_lr(self) -> list[float]:
-        return [self._lr(base_lr) for base_lr in self.base_lrs]
+        return [self._lr(group, base_lr) for group, base_lr in enumerate(self.base_lrs)]
 
-    def _lr(self, base_lr: float) -> float:
+    def _lr(self, group: int, base_lr: float) -> float:
+        """The rate of param group `group` (initial lr `base_lr`) at `self.last_batch_iteration`."""
         raise NotImplementedError
 
     def _apply(self, lrs: list[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         self._last_lr = list(lrs)
+
+
+def _per_group(value: float | list[float] | None, optimizer: torch.optim.Optimizer, name: str) -> list:
+    """A scalar for every param group, or the given list checked against the number of groups."""
+    count = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name}: {len(value)} values for {count} param groups; give one per group or one number")
+        return list(value)
+    return [value] * count
 
 
 def _warmup_fraction(iteration: int, *, warmup_steps: int, warmup_type: str) -> float:
@@ -100,15 +112,15 @@ class WarmupLR(_StepSchedule):
     group's initial lr.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_min_lr: float = 0.0,
-                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000, warmup_type: str = "log",
+    def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_min_lr: float | list[float] = 0.0,
+                 warmup_max_lr: float | list[float] | None = None, warmup_num_steps: int = 1000, warmup_type: str = "log",
                  last_batch_iteration: int = -1) -> None:
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"warmup_type: {warmup_type!r} is not 'log' or 'linear'")
         if warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps: must be > 0, got {warmup_num_steps}")
-        self.warmup_min_lr = warmup_min_lr
-        self.warmup_max_lr = warmup_max_lr
+        self.min_lrs = _per_group(warmup_min_lr, optimizer, "warmup_min_lr")
+        self.max_lrs = _per_group(warmup_max_lr, optimizer, "warmup_max_lr")
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_batch_iteration=last_batch_iteration)
@@ -119,19 +131,20 @@ class WarmupLR(_StepSchedule):
             return _warmup_fraction(i, warmup_steps=self.warmup_num_steps, warmup_type=self.warmup_type)
         return 1.0
 
-    def _lr(self, base_lr: float) -> float:
+    def _lr(self, group: int, base_lr: float) -> float:
+        low, high = self.min_lrs[group], self.max_lrs[group]
         if self.last_batch_iteration < 0:
-            return self.warmup_min_lr
-        top = base_lr if self.warmup_max_lr is None else self.warmup_max_lr
-        return self.warmup_min_lr + (top - self.warmup_min_lr) * self._gamma()
+            return low
+        top = base_lr if high is None else high
+        return low + (top - low) * self._gamma()
 
 
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay: gamma(i) = max(0, (T - i) / max(1, T - W)) for i >= W."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, total_num_steps: int, warmup_min_lr: float = 0.0,
-                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000, warmup_type: str = "log",
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, total_num_steps: int,
+                 warmup_min_lr: float | list[float] = 0.0, warmup_max_lr: float | list[float] | None = None,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr=warmup_min_lr, warmup_max_lr=warmup_max_lr,
                          warmup_num_steps=warmup_num_steps, warmup_type=warmup_type,
@@ -175,27 +188,27 @@ class WarmupCosineLR(_StepSchedule):
         progress = min(1.0, (i - warm + 1) / max(1, self.total_num_steps - warm))
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0
 
-    def _lr(self, base_lr: float) -> float:
+    def _lr(self, group: int, base_lr: float) -> float:
         return base_lr * self._ratio()
 
 
 class LRRangeTest(_StepSchedule):
     """lr(i) = min_lr * (1 + step_rate * x), x = (i + 1) / step_size, floored when `staircase`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, lr_range_test_min_lr: float = 1e-3,
+    def __init__(self, optimizer: torch.optim.Optimizer, *, lr_range_test_min_lr: float | list[float] = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
                  lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
-        self.min_lr = lr_range_test_min_lr
+        self.min_lrs = _per_group(lr_range_test_min_lr, optimizer, "lr_range_test_min_lr")
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
         self.staircase = lr_range_test_staircase
         super().__init__(optimizer, last_batch_iteration=last_batch_iteration)
 
-    def _lr(self, base_lr: float) -> float:
+    def _lr(self, group: int, base_lr: float) -> float:
         x = (self.last_batch_iteration + 1) / self.step_size
         if self.staircase:
             x = math.floor(x)
-        return self.min_lr * (1.0 + self.step_rate * x)
+        return self.min_lrs[group] * (1.0 + self.step_rate * x)
 
 
 class OneCycle(_StepSchedule):
@@ -246,7 +259,7 @@ class OneCycle(_StepSchedule):
         i = self.last_batch_iteration
         return None if i < self.total_size else i - self.total_size + 1
 
-    def _lr(self, base_lr: float) -> float:
+    def _lr(self, group: int, base_lr: float) -> float:
         after = self._decay_steps()
         if after is None:
             return self.min_lr + (self.max_lr - self.min_lr) * self._scale()

@@ -324,3 +324,13 @@ def test_strings_that_cannot_be_paths_are_one_line_errors() -> None:
     assert _errors("ds\x00config.json") == [
         "config: file not found: ds\\x00config.json; pass a path to a .json/.yaml file or a JSON object string"
     ]
+
+
+def test_schedule_rates_may_be_one_per_group() -> None:
+    cfg = load_config({"train_batch_size": 1, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": [0, 1e-5], "warmup_max_lr": 3e-4}}})
+    assert (cfg.scheduler.params.warmup_min_lr, cfg.scheduler.params.warmup_max_lr) == ([0.0, 1e-5], 3e-4)
+    assert _errors({"train_batch_size": 1, "scheduler": {"type": "LRRangeTest", "params": {
+        "lr_range_test_min_lr": [0.1, -1]}}}) == [
+        "scheduler.params.lr_range_test_min_lr: must be >= 0, got -1; set a non-negative learning rate"
+    ]

@@ -172,3 +172,18 @@ def test_build_lr_scheduler_none_and_types() -> None:
     sched = build_lr_scheduler(opt, config)
     assert type(sched) is WarmupDecayLR and sched.total_num_steps == 100 and sched.warmup_num_steps == 10
     assert isinstance(sched, torch.optim.lr_scheduler.LRScheduler)
+
+
+def test_per_group_rates_as_lists() -> None:
+    config = load_config({"train_batch_size": 1, "scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": [0.0, 0.01], "warmup_max_lr": [0.1, 1.0], "warmup_num_steps": 4,
+        "warmup_type": "linear"}}}).scheduler
+    lrs = _lrs_by_iteration(build_lr_scheduler(_optimizer(0.5, 0.5), config), 5)
+    assert lrs[-1] == [0.0, 0.01]
+    assert lrs[2] == pytest.approx([0.05, 0.01 + 0.99 * 0.5])
+    assert lrs[4] == pytest.approx([0.1, 1.0])
+    with pytest.raises(ValueError, match="warmup_min_lr: 2 values for 3 param groups"):
+        build_lr_scheduler(_optimizer(0.5, 0.5, 0.5), config)
+    stairs = LRRangeTest(_optimizer(1.0, 1.0), lr_range_test_min_lr=[0.01, 0.1], lr_range_test_step_size=2,
+                         lr_range_test_staircase=True)
+    assert _lrs_by_iteration(stairs, 2)[1] == pytest.approx([0.02, 0.2])
