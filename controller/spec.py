@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -50,6 +51,20 @@ Backend = Literal["local", "kubernetes", "azureml"]
 Priority = Literal["low", "normal", "high"]
 
 
+def _scalar_to_str(value: Any) -> Any:
+    # YAML reads `50`, `1.5` or `true` as numbers and booleans where the job means text
+    # (`args: ["--steps", 50]`, `labels: {version: 2}`); take them as the text the user wrote.
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+Text = Annotated[str, BeforeValidator(_scalar_to_str)]
+"""A string field that also accepts a YAML number or boolean, as its text."""
+
+
 class SpecError(ValueError):
     """A job spec the user must fix; `.errors` holds one "<path>: <problem>; <fix>" line each."""
 
@@ -75,7 +90,7 @@ class Metadata(_Section):
     """Job name: a DNS-1123 label (lowercase letters, digits, '-') of at most 40 characters."""
     project: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)]
     """The project that owns the job; API tokens are bound to one project."""
-    labels: dict[str, str] = {}
+    labels: dict[str, Text] = {}
     """Free-form key/value labels (Kubernetes label syntax); `deepfleet ls --label k=v` filters on them."""
 
     @field_validator("labels")
@@ -124,14 +139,14 @@ class Resources(_Section):
 class ScriptEntrypoint(_Section):
     script: Annotated[str, Field(min_length=1)]
     """Path of a Python training script, run under torchrun in every process."""
-    args: list[str] = []
+    args: list[Text] = []
     """Command-line arguments passed to the script."""
 
 
 class FactoryEntrypoint(_Section):
     factory: Annotated[str, Field(pattern=FACTORY_REF)]
     """"package.module:callable" returning the model, data and config for the managed training loop."""
-    args: list[str] = []
+    args: list[Text] = []
     """Arguments passed to the factory."""
 
 
@@ -192,7 +207,7 @@ class Toleration(_Section):
 class KubernetesOptions(_Section):
     namespace: Annotated[str | None, Field(max_length=63, pattern=DNS_LABEL)] = None
     """Namespace for the job's pods and service; null uses the controller's namespace."""
-    node_selector: dict[str, str] = {}
+    node_selector: dict[str, Text] = {}
     tolerations: list[Toleration] = []
     priority_class_name: str | None = None
     service_account_name: str | None = None
@@ -243,19 +258,10 @@ class TrainingSpec(_Section):
     """Admission order inside a queue."""
     queue: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)] = "default"
     """Queue whose quota the job counts against."""
-    env: dict[str, str] = {}
+    env: dict[str, Text] = {}
     """Extra environment variables for every worker process."""
     kubernetes: KubernetesOptions | None = None
     azureml: AzureMLOptions | None = None
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _scalars_are_strings(cls, env: Any) -> Any:
-        # YAML reads `KEY: 1` or `KEY: true` as numbers and booleans; the environment holds strings.
-        if isinstance(env, dict):
-            return {k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, int | float) else v
-                    for k, v in env.items()}
-        return env
 
     @field_validator("env")
     @classmethod

@@ -107,8 +107,11 @@ def test_missing_field_and_malformed_yaml() -> None:
 
 
 def test_yaml_scalars_in_env_and_resources_become_strings() -> None:
-    spec = parse_job_yaml(EXAMPLE.replace("env: {KEY: value}", "env: {N: 1, FLAG: true}").replace('cpu: "2"', "cpu: 2"))
+    spec = parse_job_yaml(EXAMPLE.replace("env: {KEY: value}", "env: {N: 1, FLAG: true}").replace('cpu: "2"', "cpu: 2")
+                          .replace('"--steps", "50"', '"--steps", 50, "--lr", 0.5').replace("team: nlp", "v: 2"))
     assert spec.spec.env == {"N": "1", "FLAG": "true"}
+    assert spec.spec.entrypoint.args == ["--steps", "50", "--lr", "0.5"]
+    assert spec.metadata.labels == {"v": "2"}
     assert spec.spec.resources.cpu == "2"
 
 
