@@ -17,7 +17,8 @@ Update (the semantics of `torch.optim.AdamW`, decoupled weight decay), per eleme
   p = p - lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
   model_param = p (rounded to its dtype)
 If any unscaled gradient of the group is inf or nan, nothing is updated and the returned 0-d
-`found_inf` is 1.0 (else 0.0). A "flat" group is a list of one tensor per role.
+`found_inf` is 1.0 (else 0.0). A "flat" group is a list of one tensor per role. The Triton path updates
+the whole group in one launch and needs the tensors of each role to share a dtype.
 """
 
 from __future__ import annotations

@@ -105,6 +105,13 @@ def test_opcheck(opcheck) -> None:
     opcheck(fused_adamw_op, (*args, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1))
 
 
+def test_triton_rejects_mixed_dtypes_within_a_role() -> None:
+    g = _group([(3, 5), (4,)], grad_dtype=torch.float32)
+    g["grads"][1] = g["grads"][1].to(torch.bfloat16)
+    with force_impl("triton"), pytest.raises(ValueError, match="grads must share one dtype"):
+        fused_adamw(**g, lr=1e-3, step=1)
+
+
 def test_rejects_mismatched_group() -> None:
     g = _group([(3, 5)], grad_dtype=torch.float32)
     g["exp_avgs"] = [torch.zeros(5, 3)]
