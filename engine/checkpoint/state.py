@@ -115,9 +115,9 @@ class DataPosition:
 def save_small(path: Path, obj: Any) -> None:
     """torch.save `obj` to `path` atomically, checking first that it loads back with weights_only=True."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
     try:
+        torch.save(obj, buf)
+        data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # translate the unpickler's complaint into which file and what to change
         raise CheckpointError(
