@@ -79,6 +79,11 @@ class _Partitioned(ABC):
                 raise ValueError(
                     f"parameter {name} is not contiguous; call .contiguous() on it before initialize"
                 )
+            if p.dtype != _MASTER_DTYPE:
+                raise ValueError(
+                    f"parameter {name} is {p.dtype}; pass the model in float32 and enable bf16/fp16 "
+                    "in the config (the fp32 masters are taken from it)"
+                )
         self._broadcast_module()
 
         # Masters come from the fp32 model before the cast, so they are exact.

@@ -82,7 +82,8 @@ def _layout_round_trip(rank: int, world_size: int) -> bool:
 
 
 def _accumulate(rank: int, world_size: int, stage: int) -> dict:
-    model, strategy, optimizer = build("gpt", stage)
+    # overlap_comm off (DeepSpeed's default at stages 1/2): the step tests cover the async path
+    model, strategy, optimizer = build("gpt", stage, overlap=False)
     batch = rank_slice(global_batch("gpt", 2 * MICRO * world_size), rank, world_size)
     halves = [{k: v[m * MICRO : (m + 1) * MICRO] for k, v in batch.items()} for m in range(2)]
     counts = []
@@ -106,6 +107,21 @@ def _accumulate(rank: int, world_size: int, stage: int) -> dict:
         "params": {k: p.detach().clone() for k, p in model.named_parameters()},
         "full_grads_left": full_grads_left,
     }
+
+
+def _overflow(rank: int, world_size: int, stage: int) -> dict:
+    """Rank 1 gets one inf in a gradient row that rank 0 owns: after the reduction only rank 0 sees it
+    locally, and every rank must still report the overflow."""
+    model, strategy, _ = build("gpt", stage)
+    head = model.gpt.head.weight
+    if rank == 1:
+        head.register_hook(
+            lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("inf")))
+        )
+    model(rank_slice(global_batch("gpt", MICRO * world_size), rank, world_size)).backward()
+    overflow = strategy.finish_gradients(grad_scale=1.0)
+    local = [t.grad for t in strategy._opt_tensors]
+    return {"overflow": overflow, "local_finite": all(bool(torch.isfinite(g).all()) for g in local)}
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -189,6 +205,7 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
         out[f"memory{stage}"] = _memory(rank, world_size, stage)
         if world_size == 3:
             out[f"clip{stage}"] = _one_step(rank, world_size, "gpt", stage, MAX_NORM)
+            out[f"overflow{stage}"] = _overflow(rank, world_size, stage)
         else:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
@@ -258,6 +275,14 @@ def test_clip_norm_is_the_global_norm_and_clips(runs: dict, stage: int) -> None:
         assert r["norm"] == pytest.approx(ref_norm, rel=1e-5)
         for name, ref in ref_params.items():
             assert step_err(r["params"][name], ref, ref_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_inf_on_one_rank_is_reported_by_every_rank(runs: dict, stage: int) -> None:
+    results = [run[f"overflow{stage}"] for run in runs[3]]
+    assert [r["overflow"] for r in results] == [True, True, True]
+    # only the owner of the poisoned row saw it locally: the others learned it from the agreement
+    assert [r["local_finite"] for r in results] == [False, True, True]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
