@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from deepfleet.controller.api import health, jobs, tokens, workers
+from deepfleet.controller.api import health, jobs, queues, tokens, workers
 from deepfleet.controller.api.deps import ApiError
 from deepfleet.controller.api.logs import LogLocator, file_log_locator
 from deepfleet.controller.db.auth import ensure_bootstrap_token
@@ -110,7 +110,7 @@ def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log
     app.state.log_poll_s = log_poll_s
     app.state.metrics = health.ApiMetrics(sessions)
     _install_error_handlers(app)
-    for module in (jobs, workers, tokens, health):
+    for module in (jobs, workers, queues, tokens, health):
         app.include_router(module.router)
     # Order: the body limit runs first (outermost), so oversized requests are timed as 413s too.
     app.add_middleware(health.TimingMiddleware, metrics=app.state.metrics)

@@ -175,3 +175,20 @@ class TokenCreated(_Out):
     expires_at: datetime | None
     token: str
     """The bearer token. Shown once: only its hash is stored."""
+
+
+class QueueOut(_Out):
+    name: str
+    max_processes: int | None
+    """Most training processes its admitted jobs may hold at once; null: unlimited."""
+    max_gpus: int | None
+    """Most GPUs its admitted jobs may hold at once; null: unlimited."""
+
+
+class QueueQuota(BaseModel):
+    """Quotas of a queue; null means unlimited."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_processes: int | None = Field(None, ge=0, le=1_000_000)
+    max_gpus: int | None = Field(None, ge=0, le=1_000_000)

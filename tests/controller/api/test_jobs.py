@@ -11,7 +11,7 @@ from pathlib import Path
 from deepfleet.controller.db.models import Attempt, Job
 from deepfleet.controller.tokens import job_token
 
-from tests.controller.api.helpers import job_yaml, yaml_headers
+from tests.controller.api.helpers import job_yaml, token, yaml_headers
 from tests.controller.conftest import ADMIN_TOKEN
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -167,3 +167,18 @@ def test_health_ready_and_prometheus(client) -> None:
     text = client.get("/metrics").text
     assert 'deepfleet_jobs{phase="PENDING"} 1.0' in text
     assert 'deepfleet_http_request_duration_seconds_count{method="POST",route="/v1/jobs",status="201"} 1.0' in text
+
+
+def test_queues_are_listed_and_set_by_operator_admins(client, app) -> None:
+    assert client.get("/v1/queues", headers=ADMIN).json() == [{"name": "default", "max_processes": None,
+                                                                "max_gpus": None}]
+    r = client.put("/v1/queues/gold", json={"max_processes": 8, "max_gpus": 4}, headers=ADMIN)
+    assert r.status_code == 200 and r.json() == {"name": "gold", "max_processes": 8, "max_gpus": 4}
+    job = submit(client, **{"nodes: 2": "nodes: 2\n  queue: gold"})
+    assert job["queue"] == "gold"
+    other_admin = token(app, project="vision", role="admin")
+    assert client.put("/v1/queues/gold", json={"max_processes": 1}, headers=other_admin).status_code == 403
+    member = token(app, project="research", role="member")
+    assert client.put("/v1/queues/gold", json={"max_processes": 1}, headers=member).status_code == 403
+    assert client.get("/v1/queues", headers=member).status_code == 200
+    assert client.put("/v1/queues/Gold!", json={}, headers=ADMIN).status_code == 422
