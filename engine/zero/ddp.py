@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepfleet.engine.zero.optim_state import fqn_optimizer_state, load_fqn_optimizer_state
+from deepfleet.engine.zero.optim_state import (
+    ensure_optimizer_state,
+    fqn_optimizer_state,
+    load_fqn_optimizer_state,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -158,7 +162,10 @@ class DDPStrategy:
     def state_dict(self) -> dict:
         names = dict(zip(map(id, self._masters), self._names, strict=True))
         model = dict(zip(self._names, self._masters, strict=True))
-        optim = fqn_optimizer_state(self._optimizer, names) if self._optimizer is not None else {}
+        optim = {}
+        if self._optimizer is not None:
+            ensure_optimizer_state(self._optimizer)  # a fresh engine's state dict is a load target
+            optim = fqn_optimizer_state(self._optimizer, names)
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: dict) -> None:

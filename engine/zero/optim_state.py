@@ -43,3 +43,23 @@ def load_fqn_optimizer_state(
     except KeyError as e:
         raise ValueError(f"optimizer state names parameter {e.args[0]!r}, which this model lacks") from e
     optimizer.load_state_dict({"state": per_index, "param_groups": groups})
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-tensor state if it has none yet (before the first step), so a state
+    dict taken as a load target has every tensor to load into: one step with zero gradients at lr 0,
+    which leaves the tensors unchanged. Gradients already present are kept."""
+    if optimizer.state:
+        return
+    tensors = [t for g in optimizer.param_groups for t in g["params"]]
+    kept = [t.grad for t in tensors]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for t in tensors:
+        t.grad = torch.zeros_like(t)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for t, grad in zip(tensors, kept, strict=True):
+        t.grad = grad

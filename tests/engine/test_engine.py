@@ -241,3 +241,32 @@ def test_backward_options_and_checkpoint_argument_check() -> None:
         torch.testing.assert_close(p.grad, 2 * g)
     with pytest.raises(ValueError, match="load_module_strict"):
         engine.load_checkpoint("/nonexistent", load_module_strict=False)
+
+
+@pytest.mark.parametrize(("stage", "bf16"), [(0, False), (0, True), (3, False)])
+def test_checkpoint_resumes_a_fresh_engine(tmp_path, stage: int, bf16: bool) -> None:
+    """save_checkpoint/load_checkpoint delegate to deepfleet.engine.checkpoint; a fresh engine (other
+    init, no optimizer state yet) continues exactly like the one that saved."""
+    cfg = {"optimizer": ADAMW, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 10}}}
+    engine, _, loader, _ = init(cfg, training_data=data())
+    batches = list(loader)
+    for batch in batches[:4]:
+        engine.backward(engine(batch))
+        engine.step()
+    engine.save_checkpoint(tmp_path, client_state={"note": "hi"})
+    torch.manual_seed(5)
+    fresh, _, fresh_loader, _ = init(cfg, model=GPTWithLoss(TINY), training_data=data())
+    path, client = fresh.load_checkpoint(tmp_path)
+    assert path is not None and client == {"note": "hi"}
+    assert (fresh.global_steps, fresh.micro_steps, fresh.get_lr()) == (engine.global_steps, engine.micro_steps, engine.get_lr())
+    assert fresh_loader.state_dict() == loader.state_dict()
+    for batch in batches[4:6]:
+        for e in (engine, fresh):
+            e.backward(e(batch))
+            e.step()
+    a, b = engine.sharding.state_dict(), fresh.sharding.state_dict()
+    for name, value in a["model"].items():
+        torch.testing.assert_close(b["model"][name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(b["optim"]["state"][name]["exp_avg_sq"], a["optim"]["state"][name]["exp_avg_sq"],
+                                   rtol=0, atol=0)
