@@ -60,9 +60,10 @@ def force_impl(name: str) -> Iterator[None]:
 
 @functools.cache
 def triton_available() -> bool:
-    """True when `import triton` succeeds (cached: the answer cannot change within a process)."""
+    """True when triton imports (cached: the answer cannot change within a process). Probed through
+    `_triton.launch`, which holds no kernels, so triton stays imported only under `_triton/`."""
     try:
-        importlib.import_module("triton")
+        triton_module("launch")
     except ImportError:
         return False
     return True

@@ -3,9 +3,11 @@ and runs its reference with triton absent (and never imports triton on the refer
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +112,18 @@ def test_auto_picks_triton_only_for_cuda(monkeypatch: pytest.MonkeyPatch) -> Non
         with pytest.raises(RuntimeError, match="needs CUDA tensors"):
             use_triton(cpu)
     assert _dispatch.triton_available()
+
+
+def test_only_the_triton_subtree_imports_triton() -> None:
+    root = Path(_dispatch.__file__).parent
+    offenders = []
+    for py in root.rglob("*.py"):
+        if "_triton" in py.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(py.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "triton" or n.startswith("triton.") for n in names):
+                offenders.append(str(py.relative_to(root)))
+    assert offenders == []
