@@ -1,4 +1,4 @@
-"""/v1/tokens: an admin mints API tokens for its own project.
+"""/v1/tokens: an admin mints and revokes API tokens of its own project.
 
 Mounted by `create_app`. The token text is returned once; the database keeps only its hash.
 """
@@ -11,8 +11,8 @@ from datetime import timedelta
 from deepfleet.controller.api.deps import ApiError, PrincipalDep, SessionDep, SettingsDep, require
 from deepfleet.controller.api.schemas import ErrorBody, TokenCreate, TokenCreated
 from deepfleet.controller.db.auth import create_api_token
-from deepfleet.controller.db.models import utcnow
-from fastapi import APIRouter
+from deepfleet.controller.db.models import ApiToken, utcnow
+from fastapi import APIRouter, Response
 
 log = logging.getLogger(__name__)
 
@@ -37,3 +37,17 @@ def create_token(body: TokenCreate, principal: PrincipalDep, session: SessionDep
     log.info("token %s (%s, role %s) created by %s", row.id, project, row.role, principal.actor)
     return TokenCreated(id=row.id, name=row.name, project=row.project, role=row.role,
                         expires_at=row.expires_at, token=token)
+
+
+@router.delete("/{token_id}", status_code=204, responses={401: {"model": ErrorBody}, 403: {"model": ErrorBody},
+                                                          404: {"model": ErrorBody}}, summary="Revoke an API token")
+def revoke_token(token_id: str, principal: PrincipalDep, session: SessionDep) -> Response:
+    require(principal, "admin", "revoke tokens")
+    row = session.get(ApiToken, token_id)
+    if row is None or row.project != principal.project:
+        raise ApiError(404, f"token {token_id} not found")
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        session.commit()
+        log.info("token %s (%s) revoked by %s", row.id, row.project, principal.actor)
+    return Response(status_code=204)

@@ -147,7 +147,7 @@ def test_logs_tail_and_follow(client, app, settings) -> None:
     assert body == "line 999\nfinal line\n"
 
 
-def test_tokens_endpoint_and_roles(client) -> None:
+def test_tokens_endpoint_and_roles(client, app) -> None:
     r = client.post("/v1/tokens", json={"name": "ci", "role": "viewer", "expires_in_days": 1}, headers=ADMIN)
     assert r.status_code == 201, r.text
     viewer = {"Authorization": f"Bearer {r.json()['token']}"}
@@ -156,6 +156,10 @@ def test_tokens_endpoint_and_roles(client) -> None:
     assert client.post("/v1/tokens", json={"name": "x"}, headers=viewer).status_code == 403
     other = client.post("/v1/tokens", json={"name": "x", "project": "vision"}, headers=ADMIN)
     assert other.status_code == 403 and other.json()["errors"][0].startswith("project:")
+    assert client.delete(f"/v1/tokens/{r.json()['id']}", headers=token(app, project="vision", role="admin")
+                         ).status_code == 404  # another project's token is not there for it
+    assert client.delete(f"/v1/tokens/{r.json()['id']}", headers=ADMIN).status_code == 204
+    assert client.get("/v1/jobs", headers=viewer).status_code == 401  # revoked
     extra = client.post("/v1/tokens", json={"name": "x", "scope": "all"}, headers=ADMIN)
     assert extra.status_code == 422 and extra.json()["errors"][0].startswith("body.scope:")
 
