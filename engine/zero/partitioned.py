@@ -408,20 +408,38 @@ class ZeroStage1(_Partitioned):
     holds_grad_shards = False
 
     def _reduce(self) -> None:
+        # With overlap_comm, bucket b+1 is packed while bucket b is in flight (two flat buffers at most).
+        in_flight: tuple[int, dist.Work | None, torch.Tensor, torch.Tensor] | None = None
         with torch.no_grad():
             for b, bucket in enumerate(self._reduce_buckets):
                 flat = torch.empty(bucket.flat_numel, dtype=_MASTER_DTYPE, device=bucket.params[0].device)
                 for s, p in enumerate(bucket.params):
                     bucket.pack(flat, s, p.grad)
-                if self._grad_segments:  # 16-bit: reduce into the fp32 shards
-                    reduce_scatter(bucket, flat, self._grad_segments[b], group=self.group, async_op=False)
-                    continue
-                segment = torch.empty(bucket.segment_numel, dtype=_MASTER_DTYPE, device=flat.device)
-                reduce_scatter(bucket, flat, segment, group=self.group, async_op=False)
-                for s, p in enumerate(bucket.params):
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    local_rows(p.grad, bucket.slots[s]).copy_(bucket.segment_view(segment, s))
+                # 16-bit: reduce straight into the fp32 shards; fp32: into a segment copied into p.grad
+                segment = (
+                    self._grad_segments[b]
+                    if self._grad_segments
+                    else torch.empty(bucket.segment_numel, dtype=_MASTER_DTYPE, device=flat.device)
+                )
+                work = reduce_scatter(bucket, flat, segment, group=self.group, async_op=self.overlap_comm)
+                if in_flight is not None:
+                    self._land(*in_flight)
+                in_flight = (b, work, flat, segment)
+            if in_flight is not None:
+                self._land(*in_flight)
+
+    def _land(self, b: int, work: dist.Work | None, flat: torch.Tensor, segment: torch.Tensor) -> None:
+        """Wait for bucket b's reduction (`flat` stays referenced until then); in fp32 mode copy this
+        rank's reduced rows into p.grad, where the optimizer's views point."""
+        if work is not None:
+            work.wait()
+        if self._grad_segments:
+            return
+        bucket = self._reduce_buckets[b]
+        for s, p in enumerate(bucket.params):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            local_rows(p.grad, bucket.slots[s]).copy_(bucket.segment_view(segment, s))
 
 
 class ZeroStage2(_Partitioned):
