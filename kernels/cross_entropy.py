@@ -8,7 +8,9 @@ the custom op that dispatches to them or to `kernels/_triton/cross_entropy.py` (
 Why hand-written: eager torch upcasts and keeps the whole (rows, vocab) log-softmax for the backward pass;
 at vocab 50k+ that dominates peak memory. Here the forward walks each row in vocab chunks (online
 max/sum-exp), never holds the logits in fp32 at once, and writes d(loss_row)/d(logits) in the logits'
-dtype while the row is hot; the backward only scales it by the incoming per-row gradient.
+dtype while the row is hot; the backward only scales it by the incoming per-row gradient. That scaling
+is out of place (one more buffer while the backward runs): scaling the saved buffer in place would save
+it, but AOT autograd (torch.compile) rejects a backward that mutates a saved forward output.
 
 Precision: all math in fp32 (float64 stays float64); per-row losses are fp32; gradients are in the
 logits' dtype. Shapes: logits (rows, vocab), target (rows,) int64, per-row loss (rows,).
