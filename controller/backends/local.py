@@ -130,7 +130,10 @@ class LocalBackend:
         if state is not None and state.get("complete"):
             return
         if state is not None:
+            # A start cut short (controller crash): stop what did start, keep its logs aside, start afresh.
             self._kill(sub.name, state)
+            for log in self.run_dir(sub.name).glob("node-*.log"):
+                os.replace(log, log.with_name(log.name + ".interrupted"))
         nodes = sub.worker_spec.nodes.max
         port = free_port()
         ws = sub.worker_spec.model_copy(
@@ -181,7 +184,9 @@ class LocalBackend:
         if state is None:
             return Observation(RunPhase.NOT_FOUND, message=f"no local run {name}")
         if not state.get("complete"):
-            return Observation(RunPhase.PENDING, message="starting")
+            # Submits run to completion within one reconciler call, and the job's claim keeps other
+            # replicas away meanwhile; an incomplete state seen here is a start a crash cut short.
+            return Observation(RunPhase.NOT_FOUND, message=f"start of {name} was interrupted; resubmit it")
         run = self.run_dir(name)
         codes: dict[int, int] = {}
         failed_at: dict[int, float] = {}

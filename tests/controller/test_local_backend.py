@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -103,3 +104,23 @@ def test_exit_status_survives_the_controller(tmp_path: Path) -> None:
 
 def test_unknown_run_is_not_found(tmp_path: Path) -> None:
     assert backend(tmp_path).observe("df-nope-00000000-a0").phase is RunPhase.NOT_FOUND
+
+
+def test_a_start_cut_short_by_a_crash_is_not_found_and_restarts_cleanly(tmp_path: Path) -> None:
+    be = backend(tmp_path)
+    sub = submission("cut", ["--steps", "1000", "--step-s", "0.1"])
+    be.submit(sub)
+    wait_for(be, sub.name, {RunPhase.RUNNING})
+    state_file = tmp_path / "logs" / sub.name / "state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "pids": state["pids"][:1], "complete": False}))  # died mid-start
+    old = _marked(sub.name)
+    restarted = backend(tmp_path)
+    assert restarted.observe(sub.name).phase is RunPhase.NOT_FOUND
+    restarted.submit(sub)
+    assert [p for p in old if _alive(p)] == []  # the half-started nodes were stopped first
+    assert restarted.observe(sub.name).phase is RunPhase.RUNNING
+    assert (tmp_path / "logs" / sub.name / "node-0.log.interrupted").exists()
+    restarted.cancel(sub.name)
+    for proc in be._children.values():
+        proc.wait(timeout=5)
