@@ -79,12 +79,18 @@ def _steps(engine, batches: _Batches, n: int) -> list[float]:
     return losses
 
 
-def _uninterrupted(rank: int, world: int, root: str, stage: int, dropout: float, own_rng: bool = True) -> list[float]:
+def _uninterrupted(
+    rank: int, world: int, root: str, stage: int, dropout: float, own_rng: bool = True, async_save: bool = False
+) -> list[float]:
     engine, loader = _engine(stage, dropout, own_loader_rng=own_rng)
     batches = _Batches(loader)
     _steps(engine, batches, K)
-    engine.save_checkpoint(root, client_state={"note": "after k steps", "k": K})
-    return _steps(engine, batches, N)
+    engine.save_checkpoint(root, client_state={"note": "after k steps", "k": K}, async_save=async_save)
+    # With async_save these steps run while the shards are written; the checkpoint must not see them.
+    losses = _steps(engine, batches, N)
+    engine.load_checkpoint(root)  # waits for the async save and leaves the engine at step K
+    assert engine.global_steps == K
+    return losses
 
 
 def _resumed(rank: int, world: int, root: str, stage: int, dropout: float, own_rng: bool = True) -> dict:
@@ -106,7 +112,7 @@ def without_dropout(tmp_path_factory) -> tuple[str, list[float]]:
     return root, spawn(_uninterrupted, 2, root, 3, 0.0)[0]
 
 
-@pytest.mark.parametrize("stage", [3, 0])
+@pytest.mark.parametrize("stage", [3, 0, 2])
 def test_resume_same_world_size_continues_data_and_rng(with_dropout, stage: int) -> None:
     root, expected = with_dropout
     result = spawn(_resumed, 2, root, stage, 0.1)[0]
@@ -116,7 +122,7 @@ def test_resume_same_world_size_continues_data_and_rng(with_dropout, stage: int)
     assert result["losses"] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("world,stage", [(1, 0), (3, 3)])
+@pytest.mark.parametrize("world,stage", [(1, 0), (3, 2), (3, 3), (1, 2)])
 def test_resume_at_other_world_size_and_stage(without_dropout, world: int, stage: int) -> None:
     root, expected = without_dropout
     assert spawn(_resumed, world, root, stage, 0.0)[0]["losses"] == pytest.approx(expected, rel=1e-5)
@@ -129,6 +135,15 @@ def test_nothing_to_load_returns_none(tmp_path: Path) -> None:
 def _load_nothing(rank: int, world: int, root: str) -> list:
     engine, _ = _engine(0, 0.0)
     return list(engine.load_checkpoint(root))
+
+
+def test_async_save_equals_sync_save(with_dropout, tmp_path: Path) -> None:
+    root, expected = with_dropout
+    assert spawn(_uninterrupted, 2, str(tmp_path), 3, 0.1, True, True)[0] == expected
+    sync_step, async_step = Path(root) / f"global_step{K}", tmp_path / f"global_step{K}"
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        assert (sync_step / name).read_bytes() == (async_step / name).read_bytes()
+    assert spawn(_resumed, 2, str(tmp_path), 2, 0.1)[0]["losses"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.xfail(
