@@ -83,10 +83,23 @@ def test_deployment_probes_security_and_db_secret() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert ctr["securityContext"]["allowPrivilegeEscalation"] is False
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
-    db = next(e for e in ctr["env"] if e["name"] == "DEEPFLEET_DB_URL")
+    db = next(e for e in ctr["env"] if e["name"] == "DEEPFLEET_DATABASE_URL")
     (secret,) = by_kind(docs, "Secret")
     assert db["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
     assert secret["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    key = next(e for e in ctr["env"] if e["name"] == "DEEPFLEET_SECRET")["valueFrom"]["secretKeyRef"]
+    assert key["name"] == secret["metadata"]["name"] and len(secret["stringData"][key["key"]]) == 48
+
+
+def test_configmap_names_are_controller_settings() -> None:
+    """Every DEEPFLEET_* variable the chart sets is a setting the controller reads."""
+    from deepfleet.controller.settings import ENV_PREFIX, Settings
+
+    (cm,) = by_kind(render(DEFAULT), "ConfigMap")
+    known = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    assert set(cm["data"]) - known == set()
+    settings = Settings.from_env(cm["data"])
+    assert settings.backends == ["kubernetes"] and settings.migrate_on_start is False
 
 
 def test_existing_secret_is_used_and_none_created() -> None:
@@ -94,7 +107,7 @@ def test_existing_secret_is_used_and_none_created() -> None:
     assert by_kind(docs, "Secret") == []
     (deploy,) = by_kind(docs, "Deployment")
     env = deploy["spec"]["template"]["spec"]["containers"][0]["env"]
-    ref = next(e for e in env if e["name"] == "DEEPFLEET_DB_URL")["valueFrom"]["secretKeyRef"]
+    ref = next(e for e in env if e["name"] == "DEEPFLEET_DATABASE_URL")["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "deepfleet-db", "key": "url"}
     assert deploy["spec"]["replicas"] == 2
     (ingress,) = by_kind(docs, "Ingress")

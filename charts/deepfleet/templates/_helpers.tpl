@@ -46,11 +46,16 @@ app.kubernetes.io/component: controller
 {{- end -}}
 
 {{- define "deepfleet.dbEnv" -}}
-- name: DEEPFLEET_DB_URL
+- name: DEEPFLEET_DATABASE_URL
   valueFrom:
     secretKeyRef:
       name: {{ include "deepfleet.dbSecretName" . }}
       key: {{ .Values.database.existingSecretKey }}
+- name: DEEPFLEET_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "deepfleet.dbSecretName" . }}
+      key: {{ .Values.database.jobTokenKeySecretKey }}
 {{- end -}}
 
 {{- define "deepfleet.validate" -}}
