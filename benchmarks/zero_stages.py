@@ -36,8 +36,8 @@ def bench_config(stage: int, *, micro_batch: int, torch_adam: bool, bf16: bool) 
         "gradient_accumulation_steps": 1,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
-            "torch_adam": torch_adam,
+            "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                       "torch_adam": torch_adam},
         },
         "gradient_clipping": 1.0,
         "bf16": {"enabled": bf16},
@@ -70,10 +70,10 @@ def reachable_bytes(root: object, *, max_depth: int = 6) -> int:
                     continue
                 try:
                     st = t.untyped_storage()
+                    if st.nbytes() and st.data_ptr():
+                        storages[st.data_ptr()] = st.nbytes()
                 except (RuntimeError, NotImplementedError):
-                    continue
-                if st.nbytes() and st.data_ptr():
-                    storages[st.data_ptr()] = st.nbytes()
+                    continue  # a freed storage (e.g. FSDP's resharded unsharded params)
             return
         if isinstance(obj, torch.nn.Module):
             for t in obj.parameters():
@@ -94,6 +94,15 @@ def reachable_bytes(root: object, *, max_depth: int = 6) -> int:
 
     visit(root, 0)
     return sum(storages.values())
+
+
+def measure(engine: object, impl: str) -> dict:
+    out = {"reachable": reachable_bytes(engine)}
+    if impl == "deepfleet":
+        from deepfleet.engine.memory import strategy_memory
+
+        out.update(strategy_memory(engine.sharding))
+    return out
 
 
 def main() -> None:
@@ -137,6 +146,8 @@ def main() -> None:
     data = SyntheticTokens(num_samples=args.micro_batch * world * (args.steps + args.warmup), seq_len=args.seq,
                            vocab_size=args.vocab, seed=1)
     times, losses = [], []
+    report: dict = {"bytes": {}}
+    last = args.warmup + args.steps - 1
     for step in range(args.warmup + args.steps):
         lo = (step * world + rank) * args.micro_batch
         batch = torch.utils.data.default_collate([data[i] for i in range(lo, lo + args.micro_batch)])
@@ -144,6 +155,9 @@ def main() -> None:
         t0 = time.perf_counter()
         loss = engine(batch)
         engine.backward(loss)
+        if step == last:
+            # Model states at their peak: after backward (gradients held), with optimizer state allocated.
+            report["bytes"] = measure(engine, args.impl)
         engine.step()
         dist.barrier()
         dt = time.perf_counter() - t0
@@ -153,11 +167,6 @@ def main() -> None:
         if step >= args.warmup:
             times.append(dt)
 
-    report: dict = {"bytes": {"reachable": reachable_bytes(engine)}}
-    if args.impl == "deepfleet":
-        from deepfleet.engine.memory import strategy_memory
-
-        report["bytes"].update(strategy_memory(engine.sharding))
     gathered = [None] * world
     dist.all_gather_object(gathered, report["bytes"])
     if rank == 0:
