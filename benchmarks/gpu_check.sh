@@ -11,6 +11,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${1:-benchmarks/kernels-gpu.jsonl}
 QUICK=${2:-}
 unset TRITON_INTERPRET
+export TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}  # explicit, or Triton 3.9 warns (an error in pytest)
 export DEEPFLEET_KERNELS=auto
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__)"

@@ -14,9 +14,10 @@ import triton.language as tl
 from deepfleet.kernels._triton.launch import elementwise_block
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-SQRT_2_OVER_PI = 0.7978845608028654
-SQRT_HALF = 0.7071067811865476
-INV_SQRT_2PI = 0.3989422804014327
+# globals read inside @triton.jit must be compile-time constants
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+SQRT_HALF = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit

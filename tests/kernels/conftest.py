@@ -18,6 +18,8 @@ def pytest_configure(config: pytest.Config) -> None:
     gpu_run = re.search(r"(?<!not )\bgpu\b", markexpr) is not None and torch.cuda.is_available()
     if not gpu_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton 3.9 warns on the first real compile unless FP fusion is chosen explicitly; warnings are errors
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 @pytest.fixture(autouse=True)
