@@ -96,6 +96,20 @@ def db_upgrade(
     raise typer.Exit(subprocess.call(argv))
 
 
+@app.command(
+    "checkpoint",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def checkpoint(ctx: typer.Context) -> None:
+    """Inspect checkpoints or export weights to safetensors (`deepfleet checkpoint --help` for more)."""
+    import subprocess
+    import sys
+
+    # The CLI stays torch-free (import contract); the checkpoint tools run as their own torch process.
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "deepfleet.engine.checkpoint.cli", *ctx.args]))
+
+
 register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)
 
 

@@ -102,6 +102,21 @@ def test_cli_inspect_and_export(saved, tmp_path: Path) -> None:
     assert load_file(out)["tok.weight"].dtype == torch.bfloat16
 
 
+def test_main_cli_forwards_checkpoint_commands(saved) -> None:
+    root, _ = saved
+    forwarded = subprocess.run(
+        [sys.executable, "-m", "deepfleet.controller.cli", "checkpoint", "inspect", str(root), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert forwarded.returncode == 0, forwarded.stderr
+    assert json.loads(forwarded.stdout)["latest_complete"] == "global_step1"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "deepfleet.controller.cli", "checkpoint", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert help_text.returncode == 0 and "export" in help_text.stdout and "inspect" in help_text.stdout
+
+
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     missing = _cli("inspect", str(tmp_path / "nope"))
     assert missing.returncode == 2
