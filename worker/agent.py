@@ -103,10 +103,12 @@ def launch_config(spec: WorkerSpec, rdzv: Rendezvous):
         role="trainer",
         rdzv_endpoint=rdzv.endpoint,
         rdzv_backend=rv.backend,
-        rdzv_configs={
-            "join_timeout": rv.join_timeout_s,
-            "last_call_timeout": rv.last_call_timeout_s,
-            "close_timeout": rv.close_timeout_s,
+        rdzv_configs={  # torch reads these as whole seconds
+            "join_timeout": math.ceil(rv.join_timeout_s),
+            "last_call_timeout": math.ceil(rv.last_call_timeout_s),
+            "close_timeout": math.ceil(rv.close_timeout_s),
+            "keep_alive_interval": rv.keep_alive_interval_s,
+            "keep_alive_max_attempt": rv.keep_alive_max_attempts,
             # Node 0 hosts the rendezvous store: say so rather than let torch guess from hostnames,
             # which fails when the endpoint is a Service DNS name.
             "is_host": rdzv.node_rank == 0,
@@ -235,8 +237,20 @@ def _report(spec: WorkerSpec | None, code: int, exc: BaseException) -> None:
     )
 
 
+def _die_with_parent() -> None:
+    # torch's agent starts training processes in their own sessions, so a worker killed outright
+    # (SIGKILL, the OOM killer) would leave them training on as orphans; on Linux, ask the kernel
+    # to SIGKILL this process when the worker goes, as if the node went down with it.
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+
+
 def child_main() -> int:
     """One training process: run the entrypoint, return its exit code (the contract's, not Python's)."""
+    _die_with_parent()
     spec: WorkerSpec | None = None
     try:
         spec = load_worker_spec()

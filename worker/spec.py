@@ -198,6 +198,10 @@ class RendezvousSpec(_Model):
         30.0, gt=0, description="Extra wait for more nodes once `nodes.min` have joined."
     )
     close_timeout_s: float = Field(60.0, gt=0, description="How long to wait for a closing rendezvous.")
+    keep_alive_interval_s: int = Field(5, ge=1, description="Seconds between a node's rendezvous keep-alives.")
+    keep_alive_max_attempts: int = Field(
+        3, ge=1, description="Missed keep-alives after which a node counts as lost (and leaves the group)."
+    )
     pg_timeout_s: float = Field(300.0, gt=0, description="Timeout of collectives in the training process group.")
 
     @field_validator("endpoint")

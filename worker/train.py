@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from deepfleet.engine.checkpoint.layout import find_latest_complete
 from deepfleet.worker.heartbeat import HeartbeatReporter
 from deepfleet.worker.signals import PreemptionWatcher, exit_preempted, mark_preempted

@@ -8,7 +8,6 @@ config comes from the job spec (e.g. `examples/gpt/ds_config.json`).
 from __future__ import annotations
 
 from deepfleet.worker.train import ManagedJob
-
 from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
 

@@ -18,10 +18,11 @@ import argparse
 import time
 from pathlib import Path
 
-import deepfleet.engine as deepspeed
 import torch
-from deepfleet.worker.signals import PreemptionWatcher, exit_preempted, mark_preempted
 from model import GPTConfig, GPTWithLoss, SyntheticTokens  # examples/gpt/model.py, next to this script
+
+import deepfleet.engine as deepspeed
+from deepfleet.worker.signals import PreemptionWatcher, exit_preempted, mark_preempted
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
 from deepfleet.worker.signals import PreemptionWatcher, exit_preempted, mark_preempted
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
-from deepfleet.worker.train import ManagedJob
 
+from deepfleet.worker.train import ManagedJob
 from examples.gpt.factories import build as build_gpt
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from deepfleet.worker.agent import (
     child_environment,
     exit_code_for_exception,
@@ -23,7 +24,6 @@ from deepfleet.worker.agent import (
 )
 from deepfleet.worker.rendezvous import resolve
 from deepfleet.worker.spec import WorkerSpecError, parse_worker_spec
-
 from tests.spawn import free_port
 
 SCRIPT = Path(__file__).with_name("elastic_script.py")
@@ -81,7 +81,9 @@ def test_launch_config_and_child_environment(tmp_path: Path) -> None:
     cfg = launch_config(spec, rdzv)
     assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node, cfg.rdzv_backend) == (1, 2, 2, "c10d")
     assert cfg.rdzv_endpoint == f"h0:{spec.rendezvous.port}" and cfg.run_id == "e2e-0"
-    assert cfg.rdzv_configs["last_call_timeout"] == 2 and cfg.rdzv_configs["is_host"] is False
+    assert cfg.rdzv_configs.items() >= {"join_timeout": 60, "last_call_timeout": 2, "close_timeout": 60,
+                                        "is_host": False, "keep_alive_interval": 5,
+                                        "keep_alive_max_attempt": 3}.items()
     assert (cfg.max_restarts, cfg.shutdown_timeout) == (0, 13)
     env = child_environment(spec, marker=tmp_path / "m", cpu=True)
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["OMP_NUM_THREADS"] == "1"

@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from deepfleet.worker.heartbeat import HeartbeatReporter
 from deepfleet.worker.spec import FailureClass, FailureReport, Heartbeat, HeartbeatSpec
-
 from tests.spawn import free_port
 from tests.worker.http_sink import Sink, running_sink
 

@@ -5,6 +5,7 @@ MASTER_ADDR and MASTER_PORT."""
 from __future__ import annotations
 
 import pytest
+
 from deepfleet.worker.rendezvous import RendezvousEnvError, detect_platform, resolve
 from deepfleet.worker.spec import parse_worker_spec
 

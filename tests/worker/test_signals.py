@@ -8,9 +8,9 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from deepfleet.worker.signals import MARKER_ENV, PreemptionWatcher, exit_preempted, mark_preempted
 from deepfleet.worker.spec import PreemptionSpec
-
 from tests.spawn import spawn
 
 

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from deepfleet.worker.spec import (
     ExitCode,
     FactoryEntrypoint,

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,8 +43,8 @@ def _spec(ckpt: Path, *, sleep_s: float = 0.0, every: int = 0, **over: object) -
     return data
 
 
-def _run(spec: dict, *, on_line=None, timeout: float = 240) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _run(spec: dict, *, on_line=None, timeout: float = 240, extra_env: dict | None = None) -> tuple[int, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     with subprocess.Popen([sys.executable, "-m", "deepfleet.worker.cli", "--spec", json.dumps(spec)], cwd=ROOT,
@@ -65,8 +66,9 @@ def _run(spec: dict, *, on_line=None, timeout: float = 240) -> tuple[int, str]:
 
 
 def _weights(ckpt: Path, tag: str, tmp: Path) -> dict:
-    from deepfleet.engine.checkpoint.export import export_safetensors
     from safetensors.torch import load_file
+
+    from deepfleet.engine.checkpoint.export import export_safetensors
 
     out = tmp / f"{ckpt.parent.name}-{tag}.safetensors"
     export_safetensors(ckpt / tag, out)
@@ -181,3 +183,58 @@ def test_failing_factory_exits_65_and_reports(tmp_path: Path) -> None:
     assert code == 65, log
     assert reports == [{"rank": 0, "class": "user_error",
                         "message": "KeyError: 'vocab_size missing from the tokenizer config'"}]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_lost_node_shrinks_the_group_and_resumes_at_the_smaller_world_size(tmp_path: Path) -> None:
+    """Two workers (nodes 1:2, one process each); node 1's worker is SIGKILLed with its training
+    process (a node loss). Node 0's agent restarts, the rendezvous closes with one node, and training
+    resumes at world size 1 from the checkpoint written at world size 2."""
+    port = free_port()
+    spec = _spec(tmp_path / "ckpt", sleep_s=0.3, every=1, processes_per_node=1, nodes={"min": 1, "max": 2},
+                 rendezvous={"port": port, "last_call_timeout_s": 2, "join_timeout_s": 60,
+                             "keep_alive_interval_s": 1, "keep_alive_max_attempts": 2},
+                 restart={"max_restarts": 2, "monitor_interval_s": 0.2})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DEEPFLEET_NNODES": "2",
+           "DEEPFLEET_MASTER_ADDR": "127.0.0.1", "DEEPFLEET_MASTER_PORT": str(port)}
+    node1 = subprocess.Popen([sys.executable, "-m", "deepfleet.worker.cli", "--spec", json.dumps(spec)], cwd=ROOT,
+                             env={**env, "DEEPFLEET_NODE_RANK": "1"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    killed: list[float] = []
+    node1_lines: list[str] = []
+    lock = threading.Lock()
+
+    def lose_node1_after_step_3(proc: object, line: str) -> None:
+        # global rank 0 (which logs) may live on either node: the rendezvous orders nodes by arrival
+        with lock:
+            if not killed and line.startswith("[deepfleet] step 3/"):
+                node1.kill()  # its training process follows (parent-death signal)
+                killed.append(time.time())
+
+    def pump_node1() -> None:
+        assert node1.stdout is not None
+        for line in node1.stdout:
+            node1_lines.append(line)
+            lose_node1_after_step_3(node1, line)
+
+    pump = threading.Thread(target=pump_node1, daemon=True)
+    pump.start()
+
+    try:
+        code, log = _run(spec, on_line=lose_node1_after_step_3, extra_env={**env, "DEEPFLEET_NODE_RANK": "0"})
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        node1.wait()
+        pump.join(timeout=10)
+        if node1.stdout is not None:
+            node1.stdout.close()
+    assert code == 0 and killed, log
+    assert "restart 0: world size 2, starting at step 0/" in log + "".join(node1_lines)
+    resumed = re.search(r"restart 1: world size 1, starting at step (\d+)/\d+ from checkpoint global_step\d+", log)
+    assert resumed and int(resumed.group(1)) >= 3, log
+    manifest = json.loads((tmp_path / "ckpt" / f"global_step{MAX_STEPS}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1
+    first = min(float(t) for t in re.findall(r"step \d+/\d+ loss [\d.]+ restart 1 t=([\d.]+)", log))
+    print(json.dumps({"metric": "node_loss_to_first_step_at_ws1_s", "value": round(first - killed[0], 2)}))
