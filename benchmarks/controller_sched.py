@@ -73,7 +73,7 @@ def bench_pass(n: int, url: str, tmp: Path) -> dict:
                       spec_version="deepfleet/v1", world_size=nodes, gpus=0, phase="PENDING",
                       created_at=now + timedelta(milliseconds=i)))
     backend = LocalBackend(tmp / "logs-pass", slots=4 * n)
-    rec = Reconciler(sessions, backend, ReconcilerConfig(replica_id="bench", controller_url="http://127.0.0.1:9",
+    rec = Reconciler(sessions, backend=backend, config=ReconcilerConfig(replica_id="bench", controller_url="http://127.0.0.1:9",
                                                          secret="s", capacity=Limit(processes=4 * n)))
     start = time.perf_counter()
     rec._hold_lease("scheduler-local", now)
@@ -89,7 +89,7 @@ def bench_latency(runs: int, url: str, tmp: Path) -> dict:
     sessions = _sessions(url)
     backend = LocalBackend(tmp / "logs-latency", slots=8, workdir=tmp, cancel_grace_s=1,
                            worker_command=[sys.executable, "-c", "import time; time.sleep(60)"])
-    rec = Reconciler(sessions, backend, ReconcilerConfig(replica_id="bench", controller_url="http://127.0.0.1:9",
+    rec = Reconciler(sessions, backend=backend, config=ReconcilerConfig(replica_id="bench", controller_url="http://127.0.0.1:9",
                                                          secret="s", capacity=Limit(processes=8)))
     latencies = []
     for i in range(runs):

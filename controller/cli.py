@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from deepfleet.controller.cli_jobs import register as register_job_commands
 
 app = typer.Typer(

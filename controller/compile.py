@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import yaml
+
 from deepfleet.controller.backends.base import Submission, run_name
 from deepfleet.controller.spec import FactoryEntrypoint, JobSpec, node_bounds
 from deepfleet.controller.tokens import job_token

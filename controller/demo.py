@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+
 from deepfleet.controller.cli_jobs import follow_job, load_job_document
 from deepfleet.controller.client import Client
 

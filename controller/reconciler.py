@@ -29,6 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
 from deepfleet.controller import lifecycle, scheduler
 from deepfleet.controller.backends.base import Backend, BackendError, Observation, RunPhase
 from deepfleet.controller.compile import compile_submission
@@ -36,8 +39,6 @@ from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
 from deepfleet.controller.spec import JobSpec
 from deepfleet.worker.spec import FailureClass
-from sqlalchemy import or_, select, update
-from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class ReconcilerConfig:
 class Reconciler:
     """Drives every job toward its desired state on one backend."""
 
-    def __init__(self, sessions: sessionmaker[Session], backend: Backend, config: ReconcilerConfig) -> None:
+    def __init__(self, sessions: sessionmaker[Session], *, backend: Backend, config: ReconcilerConfig) -> None:
         self.sessions = sessions
         self.backend = backend
         self.config = config

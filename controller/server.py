@@ -23,6 +23,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from fastapi import FastAPI
+from pydantic import SecretStr
+
 from deepfleet.controller.api import web
 from deepfleet.controller.app import create_app
 from deepfleet.controller.backends.local import LocalBackend
@@ -30,8 +33,6 @@ from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
 from deepfleet.controller.scheduler import Limit
 from deepfleet.controller.settings import Settings, SettingsError
 from deepfleet.controller.tokens import mint_api_token
-from fastapi import FastAPI
-from pydantic import SecretStr
 
 log = logging.getLogger("deepfleet.controller")
 ADMIN_TOKEN_FILE = "admin-token"
@@ -40,7 +41,7 @@ ADMIN_TOKEN_FILE = "admin-token"
 SECRET_FILE = "secret"
 
 
-def persisted(data_dir: Path, name: str, make: Callable[[], str]) -> str:
+def persisted(data_dir: Path, *, name: str, make: Callable[[], str]) -> str:
     """A value kept in `<data_dir>/<name>` (mode 0600), made on first use and reused after a restart."""
     path = data_dir / name
     if path.exists():
@@ -67,7 +68,7 @@ def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker
         secret=settings.secret.get_secret_value(), backend_name="local", capacity=Limit(processes=slots),
         lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
     )
-    reconciler = Reconciler(app.state.sessions, backend, config)
+    reconciler = Reconciler(app.state.sessions, backend=backend, config=config)
     inner = app.router.lifespan_context
 
     @asynccontextmanager
@@ -113,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             controller_url=os.environ.get("DEEPFLEET_CONTROLLER_URL") or f"http://{args.host}:{args.port}",
         )
         if settings.admin_token is None:
-            token = persisted(settings.data_dir, ADMIN_TOKEN_FILE, lambda: mint_api_token().token)
+            token = persisted(settings.data_dir, name=ADMIN_TOKEN_FILE, make=lambda: mint_api_token().token)
             settings = settings.model_copy(update={"admin_token": SecretStr(token)})
             print(f"admin token: {settings.data_dir / ADMIN_TOKEN_FILE}", file=sys.stderr, flush=True)
         if not os.environ.get("DEEPFLEET_SECRET"):
             # Job tokens must survive a restart: runs started before it keep posting heartbeats.
-            secret = persisted(settings.data_dir, SECRET_FILE, lambda: secrets.token_urlsafe(32))
+            secret = persisted(settings.data_dir, name=SECRET_FILE, make=lambda: secrets.token_urlsafe(32))
             settings = settings.model_copy(update={"secret": SecretStr(secret)})
     except SettingsError as e:
         for line in e.errors:

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
-from deepfleet.controller.client import Client
 
+from deepfleet.controller.client import Client
 from tests.controller.conftest import ADMIN_TOKEN
 from tests.spawn import free_port
 

@@ -8,15 +8,15 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
 from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.controller.db.models import Base, Event, Job, Project, Queue
 from deepfleet.controller.db.session import make_engine, make_session_factory
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
 from deepfleet.controller.scheduler import Limit
 from deepfleet.controller.spec import JobSpec, job_world_size
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
-
 from tests.controller.jobspecs import FAKE_WORKER, job_document
 
 
@@ -50,7 +50,7 @@ def reconciler(sessions: sessionmaker[Session], tmp_path: Path, *, replica: str 
                            cancel_grace_s=2)
     config = ReconcilerConfig(replica_id=replica, controller_url="http://127.0.0.1:9", secret="s",
                               capacity=Limit(processes=slots), lease_seconds=lease_seconds)
-    return Reconciler(sessions, backend, config)
+    return Reconciler(sessions, backend=backend, config=config)
 
 
 def job(sessions: sessionmaker[Session], job_id: str) -> Job:

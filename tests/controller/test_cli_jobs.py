@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deepfleet.controller.cli import app
-from deepfleet.controller.cli_jobs import resolve
 from typer.testing import CliRunner
 
+from deepfleet.controller.cli import app
+from deepfleet.controller.cli_jobs import resolve
 from tests.controller.conftest import ADMIN_TOKEN
 from tests.controller.e2e_helpers import Controller
 from tests.controller.jobspecs import FAKE_WORKER, job_document

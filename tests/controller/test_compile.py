@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from deepfleet.controller.backends.base import run_name
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.spec import validate_job
 from deepfleet.controller.tokens import verify_job_token
 from deepfleet.worker.spec import FactoryEntrypoint, load_worker_spec
-
 from tests.controller.jobspecs import job_document
 
 JOB_ID = "c0ffee00112233445566778899aabbcc"

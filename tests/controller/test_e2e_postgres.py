@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from deepfleet.controller.backends.local import _alive, _marked
 
+from deepfleet.controller.backends.local import _alive, _marked
 from tests.controller.e2e_helpers import Controller, node_pids, starts, wait_phase
 from tests.controller.jobspecs import FAKE_WORKER, job_document
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from deepfleet.controller.backends.local import _alive, _marked
 from deepfleet.controller.cli_jobs import load_job_document
-
 from tests.controller.e2e_helpers import Controller, wait_phase
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

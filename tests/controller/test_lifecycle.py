@@ -6,6 +6,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
+
 from deepfleet.controller.backends.base import Observation, RunPhase
 from deepfleet.controller.lifecycle import (
     TRANSITIONS,

@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
+
 from deepfleet.controller.backends.base import Backend, RunPhase
 from deepfleet.controller.backends.local import LocalBackend, _alive, _marked
 from deepfleet.controller.compile import compile_submission
 from deepfleet.worker.spec import FailureClass
-
 from tests.controller.jobspecs import FAKE_WORKER, job_spec
 
 

@@ -7,12 +7,12 @@ import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from sqlalchemy import select
+
 from deepfleet.controller.backends.local import _alive, _marked
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.db.models import Attempt, Job
 from deepfleet.controller.spec import JobSpec
-from sqlalchemy import select
-
 from tests.controller.reconcile_helpers import (
     database,
     drive,

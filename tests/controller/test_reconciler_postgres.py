@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from deepfleet.controller.db.models import Attempt, Event
 from sqlalchemy import select
 
+from deepfleet.controller.db.models import Attempt, Event
 from tests.controller.reconcile_helpers import (
     database,
     drive,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+
 from deepfleet.controller.scheduler import UNLIMITED, Demand, Limit, Priority, QueuedJob, admit
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
