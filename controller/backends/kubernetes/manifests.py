@@ -1,0 +1,196 @@
+"""Render one attempt of a job into Kubernetes objects: an Indexed batch/v1 Job and a headless Service.
+
+Called by `backend.KubernetesBackend.submit` and by the golden-file tests. Pure functions of the
+`Submission` (no API calls, no client models): plain dicts in the API's camelCase JSON shape, which the
+official client sends as they are and `kubernetes_validate` checks against the upstream schemas.
+
+Layout of one run named `<name>` (the deterministic `run_name`, so a resubmission names the same objects):
+
+* Job `<name>`: `completionMode: Indexed`, `completions = parallelism = nodes`; pod `i` gets
+  `JOB_COMPLETION_INDEX=i` (its node rank) and hostname `<name>-i`; `subdomain: <name>` puts that
+  hostname under the Service, so node 0 is always `<name>-0.<name>.<namespace>.svc`.
+  `restartPolicy: Never` and `backoffLimit: 0`: a failed pod fails the Job at once, because restarts
+  are the controller's decision (a new attempt, possibly at another size), not the Job controller's.
+* Service `<name>`: headless (`clusterIP: None`) with `publishNotReadyAddresses`, so the DNS names exist
+  as soon as the pods do (the rendezvous happens before anything is "ready"). It carries an
+  ownerReference to the Job (set after the Job exists, see `service`), so deleting the Job with
+  `propagationPolicy: Background` removes the pods and the Service in one call.
+* With `spec.kubernetes.kueueQueue` the Job is created suspended with Kueue's queue-name label and
+  Kueue admits it (unsuspends it) when its quota allows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deepfleet.controller.backends.base import Submission
+from deepfleet.controller.backends.kubernetes import names
+from deepfleet.controller.spec import KubernetesOptions, node_bounds
+
+CONTAINER = "worker"
+WORKER_COMMAND = ["deepfleet-worker"]
+DEFAULT_GRACE_SECONDS = 60  # covers the worker's default 30 s preemption checkpoint with margin
+SHM_PATH = "/dev/shm"
+
+
+def _options(sub: Submission) -> KubernetesOptions:
+    return sub.spec.spec.kubernetes or KubernetesOptions()
+
+
+def namespace_of(sub: Submission, *, default: str) -> str:
+    """The run's namespace: `spec.kubernetes.namespace`, else the backend's."""
+    return _options(sub).namespace or default
+
+
+def node_count(sub: Submission) -> int:
+    """Pods started for the run: the job's full size (`nodes.max` for an elastic job)."""
+    return node_bounds(sub.spec)[1]
+
+
+def labels(sub: Submission) -> dict[str, str]:
+    """Labels on the Job, its pods and the Service."""
+    out = {
+        names.MANAGED_BY: names.MANAGER,
+        names.RUN: sub.name,
+        names.JOB_ID: sub.job_id,
+        names.ATTEMPT: str(sub.attempt),
+        "app.kubernetes.io/name": "deepfleet-worker",
+        "app.kubernetes.io/instance": sub.name,
+    }
+    if _options(sub).kueue_queue:
+        out[names.KUEUE_QUEUE] = _options(sub).kueue_queue
+    return out
+
+
+def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
+    ws = sub.worker_spec
+    fixed = {
+        **sub.env,
+        "DEEPFLEET_WORKER_SPEC": json.dumps(ws.model_dump(mode="json", exclude_none=True), sort_keys=True),
+        # Read by worker/rendezvous.py (platform kubernetes); JOB_COMPLETION_INDEX comes from Kubernetes.
+        "DEEPFLEET_K8S_JOB": sub.name,
+        "DEEPFLEET_RDZV_SERVICE": sub.name,
+        "DEEPFLEET_NNODES": str(nodes),
+        "DEEPFLEET_MASTER_PORT": str(ws.rendezvous.port),
+    }
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(fixed.items())]
+    env.append({"name": "DEEPFLEET_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
+    env.append({"name": "DEEPFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    return env
+
+
+def _resources(sub: Submission) -> dict[str, Any]:
+    r = sub.spec.spec.resources
+    amounts: dict[str, str] = {}
+    if r.cpu:
+        amounts["cpu"] = r.cpu
+    if r.memory:
+        amounts["memory"] = r.memory
+    out: dict[str, Any] = {}
+    if amounts:
+        out["requests"] = dict(amounts)
+        out["limits"] = dict(amounts)
+    if r.gpu:
+        # Extended resources are limits-only (the request defaults to the limit).
+        out.setdefault("limits", {})["nvidia.com/gpu"] = str(r.gpu)
+    return out
+
+
+def _pod_spec(sub: Submission, *, nodes: int) -> dict[str, Any]:
+    opts = _options(sub)
+    ws = sub.worker_spec
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": sub.spec.spec.image,
+        "command": list(WORKER_COMMAND),
+        "env": _env(sub, nodes=nodes),
+        "ports": [{"name": "rendezvous", "containerPort": ws.rendezvous.port, "protocol": "TCP"}],
+        "volumeMounts": [{"name": "dshm", "mountPath": SHM_PATH}],
+    }
+    resources = _resources(sub)
+    if resources:
+        container["resources"] = resources
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if opts.shm_size:
+        shm["sizeLimit"] = opts.shm_size
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": sub.name,
+        "terminationGracePeriodSeconds": (opts.termination_grace_period_seconds
+                                          if opts.termination_grace_period_seconds is not None
+                                          else DEFAULT_GRACE_SECONDS),
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": shm}],
+    }
+    selector = dict(opts.node_selector)
+    if sub.spec.spec.resources.gpu_type:
+        selector.setdefault(names.GPU_PRODUCT, sub.spec.spec.resources.gpu_type)
+    if selector:
+        pod["nodeSelector"] = selector
+    if opts.tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in opts.tolerations]
+    if opts.priority_class_name:
+        pod["priorityClassName"] = opts.priority_class_name
+    if opts.service_account_name:
+        pod["serviceAccountName"] = opts.service_account_name
+    if opts.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in opts.image_pull_secrets]
+    return pod
+
+
+def job(sub: Submission, *, namespace: str) -> dict[str, Any]:
+    """The Indexed batch/v1 Job of the run (see the module docstring for its shape)."""
+    nodes = node_count(sub)
+    names.check_dns_label(sub.name, where="job name")
+    names.check_dns_label(names.pod_hostname(sub.name, nodes - 1), where="pod hostname")
+    names.check_dns_label(namespace, where="spec.kubernetes.namespace")
+    lab = labels(sub)
+    names.check_labels(lab, where="job")
+    spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": nodes,
+        "parallelism": nodes,
+        "backoffLimit": 0,
+        "template": {"metadata": {"labels": dict(lab)}, "spec": _pod_spec(sub, nodes=nodes)},
+    }
+    if _options(sub).kueue_queue:
+        spec["suspend"] = True  # Kueue unsuspends the Job when it admits it
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": sub.name, "namespace": namespace, "labels": lab,
+                     "annotations": {"deepfleet.dev/job-name": sub.spec.metadata.name,
+                                     "deepfleet.dev/project": sub.spec.metadata.project}},
+        "spec": spec,
+    }
+
+
+def service(sub: Submission, *, namespace: str, job_uid: str | None) -> dict[str, Any]:
+    """The headless Service that gives every pod `<hostname>.<name>.<namespace>.svc`.
+
+    `job_uid`: the created Job's uid, for the ownerReference (None only when rendering for review)."""
+    lab = labels(sub)
+    lab.pop(names.KUEUE_QUEUE, None)  # Kueue manages workloads, not Services
+    meta: dict[str, Any] = {"name": sub.name, "namespace": namespace, "labels": lab}
+    if job_uid is not None:
+        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": sub.name, "uid": job_uid,
+                                    "blockOwnerDeletion": True}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {names.RUN: sub.name},
+            "ports": [{"name": "rendezvous", "port": sub.worker_spec.rendezvous.port,
+                       "targetPort": sub.worker_spec.rendezvous.port, "protocol": "TCP"}],
+        },
+    }
+
+
+def render(sub: Submission, *, namespace: str, job_uid: str | None = None) -> list[dict[str, Any]]:
+    """[Job, Service] of one attempt, in the order `submit` creates them."""
+    ns = namespace_of(sub, default=namespace)
+    return [job(sub, namespace=ns), service(sub, namespace=ns, job_uid=job_uid)]
