@@ -21,8 +21,9 @@ rows whose target is ignore_index have loss 0 and gradient 0; "mean" divides by 
 from __future__ import annotations
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 REFERENCE_CHUNK_ROWS = 256  # rows per fp32 chunk on the reference path

@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 
 def fused_adamw_reference(
@@ -110,6 +111,7 @@ def _check_group(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     model_params: list[Tensor],
+    grad_scale: Tensor | None,
     step: int,
 ) -> None:
     if not params:
@@ -123,6 +125,11 @@ def _check_group(
         for i, (p, t) in enumerate(zip(params, tensors, strict=True)):
             if t.shape != p.shape:
                 raise ValueError(f"fused_adamw: {role}[{i}] shape {tuple(t.shape)} != params[{i}] {tuple(p.shape)}")
+    if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.device != params[0].device):
+        raise ValueError(
+            f"fused_adamw: grad_scale must be a one-element tensor on {params[0].device}; "
+            f"got {tuple(grad_scale.shape)} on {grad_scale.device}"
+        )
     if step < 1:
         raise ValueError(f"fused_adamw: step={step} must be >= 1 (the count including this update)")
 
@@ -144,7 +151,7 @@ def fused_adamw(
     """One AdamW step on a group, in place. `params` are the (fp32 master) weights; `model_params`, if
     given, receive the updated weights in their own dtype. Returns found_inf (0-d fp32, on device)."""
     model_params = list(model_params or [])
-    _check_group(params, grads, exp_avgs, exp_avg_sqs, model_params, step)
+    _check_group(params, grads, exp_avgs, exp_avg_sqs, model_params, grad_scale, step)
     with torch.no_grad():
         return fused_adamw_op(
             list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), model_params, grad_scale,

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 APPROXIMATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 

@@ -20,8 +20,9 @@ dgates[t, j] = <dout[t], y[row_map[t, j]]>. Math in fp32, outputs in the input d
 from __future__ import annotations
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 
 def moe_route(topk_idx: Tensor, *, num_experts: int, capacity: int | None = None) -> tuple[Tensor, Tensor]:

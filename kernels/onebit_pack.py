@@ -19,8 +19,9 @@ These ops act on optimizer state and are not differentiable.
 from __future__ import annotations
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 
 def _num_chunks(numel: int, chunk_size: int) -> int:

@@ -12,8 +12,9 @@ Shapes: x (..., n), weight (n,), rstd (...,).
 from __future__ import annotations
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 
 def _acc(t: Tensor) -> Tensor:

@@ -15,8 +15,9 @@ Precision: math in fp32 (float64 stays float64), output in x's dtype.
 from __future__ import annotations
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 
 def rope_cos_sin(

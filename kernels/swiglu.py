@@ -11,8 +11,9 @@ Backward: dgate = dy * up * s * (1 + gate * (1 - s)) with s = sigmoid(gate); dup
 from __future__ import annotations
 
 import torch
-from deepfleet.kernels._dispatch import triton_module, use_triton
 from torch import Tensor
+
+from deepfleet.kernels._dispatch import triton_module, use_triton
 
 
 def _acc(t: Tensor) -> Tensor:

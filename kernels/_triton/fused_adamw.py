@@ -17,6 +17,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from deepfleet.kernels._triton.launch import elementwise_block
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

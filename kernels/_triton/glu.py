@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from deepfleet.kernels._triton.launch import elementwise_block
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}

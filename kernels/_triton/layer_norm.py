@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from deepfleet.kernels._triton.launch import (
     flatten_rows,
     num_warps,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.kernels import cross_entropy as ce_module
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.cross_entropy import (
@@ -15,7 +16,6 @@ from deepfleet.kernels.cross_entropy import (
     cross_entropy_op,
     cross_entropy_reference,
 )
-
 from tests.kernels.tolerance import assert_close
 
 SHAPES = [(1, 1), (3, 17), (9, 341), (2, 50257)]

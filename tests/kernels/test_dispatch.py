@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from deepfleet.kernels import _dispatch
 from deepfleet.kernels._dispatch import force_impl, selected_impl, use_triton
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.fused_adamw import fused_adamw, fused_adamw_op, fused_adamw_reference
-
 from tests.kernels.tolerance import assert_close
 
 SHAPES = [(1, 1), (3, 17), (9, 41, 341)]
@@ -117,5 +117,7 @@ def test_rejects_mismatched_group() -> None:
     g["exp_avgs"] = [torch.zeros(5, 3)]
     with pytest.raises(ValueError, match=r"exp_avgs\[0\] shape"):
         fused_adamw(**g, lr=1e-3, step=1)
+    with pytest.raises(ValueError, match="grad_scale must be a one-element tensor"):
+        fused_adamw(**_group([(2,)], grad_dtype=torch.float32), lr=1e-3, step=1, grad_scale=torch.ones(2))
     with pytest.raises(ValueError, match="step=0"):
         fused_adamw(**_group([(2,)], grad_dtype=torch.float32), lr=1e-3, step=0)

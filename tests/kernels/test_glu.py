@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.geglu import (
     geglu,
@@ -20,7 +21,6 @@ from deepfleet.kernels.swiglu import (
     swiglu_op,
     swiglu_reference,
 )
-
 from tests.kernels.tolerance import assert_close
 
 SHAPES = [(1, 1), (3, 17), (9, 41, 341)]

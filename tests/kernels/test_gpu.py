@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.kernels import _dispatch
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.cross_entropy import cross_entropy, cross_entropy_reference
@@ -17,7 +18,6 @@ from deepfleet.kernels.onebit_pack import onebit_pack, onebit_pack_reference
 from deepfleet.kernels.rms_norm import rms_norm, rms_norm_op, rms_norm_reference
 from deepfleet.kernels.rope import rope, rope_cos_sin, rope_reference
 from deepfleet.kernels.swiglu import swiglu, swiglu_reference
-
 from tests.kernels.tolerance import assert_close
 
 pytestmark = [

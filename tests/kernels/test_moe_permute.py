@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.moe_permute import (
     moe_permute,
@@ -18,7 +19,6 @@ from deepfleet.kernels.moe_permute import (
     moe_unpermute_op,
     moe_unpermute_reference,
 )
-
 from tests.kernels.tolerance import assert_close
 
 CASES = [  # (tokens, d, experts, k, capacity)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.onebit_pack import (
     onebit_pack,
@@ -16,7 +17,6 @@ from deepfleet.kernels.onebit_pack import (
     onebit_unpack_op,
     onebit_unpack_reference,
 )
-
 from tests.kernels.tolerance import assert_close
 
 CASES = [((1, 1), 8), ((3, 17), 16), ((9, 41, 341), 2048), ((1000,), 24)]  # (shape, chunk_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.rms_norm import (
     rms_norm,
@@ -14,7 +15,6 @@ from deepfleet.kernels.rms_norm import (
     rms_norm_op,
     rms_norm_reference,
 )
-
 from tests.kernels.tolerance import assert_close
 
 SHAPES = [(1, 1), (3, 17), (9, 41, 341), (2, 128)]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.kernels._dispatch import force_impl
 from deepfleet.kernels.rope import rope, rope_cos_sin, rope_op, rope_reference
-
 from tests.kernels.tolerance import assert_close
 
 SHAPES = [(1, 1, 1, 2), (3, 17, 1, 6), (2, 9, 5, 64), (1, 41, 3, 34)]  # (batch, seq, heads, head_dim)
