@@ -36,7 +36,6 @@ def _worker(args: argparse.Namespace) -> None:
     import deepfleet.engine as deepfleet
     from deepfleet.engine.checkpoint.api import wait_for_checkpoint
     from deepfleet.engine.checkpoint.manifest import read_manifest
-
     from examples.gpt.model import GPTConfig, GPTWithLoss
 
     torch.set_num_threads(1)

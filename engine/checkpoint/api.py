@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.io import StepReader, StepWriter
 from deepfleet.engine.checkpoint.layout import CheckpointError
@@ -40,7 +42,6 @@ from deepfleet.engine.checkpoint.state import (
     restore_rng,
     seed_all,
 )
-from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 

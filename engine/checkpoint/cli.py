@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.layout import CheckpointError
 

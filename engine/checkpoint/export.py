@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+
 from deepfleet.engine.checkpoint.io import StepReader
 from deepfleet.engine.checkpoint.layout import CheckpointError
 

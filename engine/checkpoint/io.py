@@ -30,6 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.layout import CheckpointError
 from deepfleet.engine.checkpoint.manifest import (
@@ -41,8 +44,6 @@ from deepfleet.engine.checkpoint.manifest import (
     write_manifest,
 )
 from deepfleet.engine.checkpoint.state import ENGINE_STATE, load_small, rank_file, save_small
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 log = logging.getLogger(__name__)
 

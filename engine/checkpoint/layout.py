@@ -177,23 +177,28 @@ def apply_retention(root: Path, *, keep_last: int, protect: str | None = None) -
     """Delete the oldest complete step directories so at most `keep_last` remain; return deleted tags.
 
     `protect` (the tag just written) and the tag named by `latest` are never deleted. Incomplete
-    directories are left alone: one may be a save in progress under another tag.
+    directories older than `protect` are leftovers of saves that crashed (a training process has one
+    save in flight at a time, and it has just completed) and are deleted too; newer ones are left alone.
     """
     if keep_last < 1:
         raise CheckpointError(f"keep_last: {keep_last} must be >= 1 (or None to keep every checkpoint)")
     root = Path(root)
     keep = {protect, read_latest(root)}
-    complete = [s for s in list_steps(root) if s.complete]
+    steps = list_steps(root)
+    complete = [s for s in steps if s.complete]
     excess = len(complete) - keep_last
-    deleted = []
+    doomed = []
     for step in complete:
         if excess <= 0:
             break
-        if step.tag in keep:
-            continue
+        if step.tag not in keep:
+            doomed.append(step)
+            excess -= 1
+    newest = next((s.mtime for s in steps if s.tag == protect), None)
+    if newest is not None:
+        doomed += [s for s in steps if not s.complete and s.tag not in keep and s.mtime < newest]
+    for step in doomed:
         # COMPLETE goes first, so a crash half-way through the delete leaves an incomplete directory.
         (step.path / COMPLETE).unlink(missing_ok=True)
         shutil.rmtree(step.path, ignore_errors=True)
-        deleted.append(step.tag)
-        excess -= 1
-    return deleted
+    return [s.tag for s in doomed]

@@ -12,8 +12,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from deepfleet.engine.checkpoint.layout import FORMAT_VERSION, MANIFEST, CheckpointError, atomic_write
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from deepfleet.engine.checkpoint.layout import FORMAT_VERSION, MANIFEST, CheckpointError, atomic_write
 
 _BLOCK = 1 << 20
 

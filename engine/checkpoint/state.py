@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from deepfleet.engine.checkpoint.layout import CheckpointError, atomic_write
 
 ENGINE_STATE = "engine_state.pt"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepfleet.engine.checkpoint import layout
 
+from deepfleet.engine.checkpoint import layout
 from tests.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _engine(*, d_model: int = 32, n_layers: int = 2, vocab: int = 64, stage: int = 0):
     import deepfleet.engine as deepfleet
-
     from examples.gpt.model import GPTConfig, GPTWithLoss
 
     torch.manual_seed(0)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from deepfleet.engine.checkpoint.export import export_safetensors
 from deepfleet.engine.checkpoint.io import StepWriter
 from deepfleet.engine.checkpoint.layout import CheckpointError
-from safetensors.torch import load_file
-
 from tests.engine.test_checkpoint_io import _fsdp_model_and_optim, _state, _train
 from tests.spawn import spawn
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.io import StepReader, StepWriter, flat_tensors
 from deepfleet.engine.checkpoint.layout import CheckpointError
 from deepfleet.engine.checkpoint.manifest import read_manifest
-
 from tests.spawn import spawn
 
 

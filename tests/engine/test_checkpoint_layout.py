@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.layout import CheckpointError
 from deepfleet.engine.checkpoint.manifest import (
@@ -66,12 +67,19 @@ def test_newest_complete_step_is_chosen_never_a_partial_one(tmp_path: Path) -> N
     assert listed == [("global_step6", False), ("global_step2", True), ("global_step4", True)]
 
 
-def test_retention_keeps_last_n_complete_and_never_partials(tmp_path: Path) -> None:
+def test_retention_keeps_last_n_complete_and_drops_older_crash_leftovers(tmp_path: Path) -> None:
+    import os
+
+    _step(tmp_path, "global_step9", 9, complete=False)  # a save that crashed before this run resumed
     for n in (1, 2, 3, 4):
         _step(tmp_path, f"global_step{n}", n)
-    _step(tmp_path, "global_step5", 5, complete=False)
+    _step(tmp_path, "global_step5", 5, complete=False)  # newer than the step just written: left alone
+    for i, tag in enumerate(["global_step9", "global_step1", "global_step2", "global_step3", "global_step4",
+                             "global_step5"]):
+        os.utime(tmp_path / tag, (1000 + i, 1000 + i))
     layout.write_latest(tmp_path, "global_step4")
-    assert layout.apply_retention(tmp_path, keep_last=2, protect="global_step4") == ["global_step1", "global_step2"]
+    deleted = layout.apply_retention(tmp_path, keep_last=2, protect="global_step4")
+    assert deleted == ["global_step1", "global_step2", "global_step9"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3", "global_step4", "global_step5", "latest"]
     with pytest.raises(CheckpointError, match="keep_last: 0 must be >= 1"):
         layout.apply_retention(tmp_path, keep_last=0)

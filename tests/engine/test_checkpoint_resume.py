@@ -33,7 +33,6 @@ def _config(stage: int) -> dict:
 
 def _engine(stage: int, dropout: float, *, own_loader_rng: bool = True, d_model: int = 32):
     import deepfleet.engine as deepfleet
-
     from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=d_model, n_heads=2, n_layers=2, dropout=dropout)

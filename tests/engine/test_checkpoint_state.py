@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from deepfleet.engine.checkpoint.layout import CheckpointError
 from deepfleet.engine.checkpoint.state import (
     capture_rng,
