@@ -1,0 +1,231 @@
+"""The Azure ML backend: one run = one Azure ML command job with the PyTorch distribution.
+
+Called by `controller.reconciler` through the `Backend` protocol; built by the server (`connect` makes an
+`MLClient` from the workspace coordinates and a credential, `DefaultAzureCredential` unless one is given).
+This module is the only place that imports `azure.ai.ml` / `azure.core`; their errors are translated
+here into `BackendError` (transient for throttling, 5xx and connection failures).
+
+A run is `command(...)` with: the Azure job name = our deterministic run name (so a resubmission finds
+the same job: submit GETs first, and a name that exists with our job id is success); `instance_count`
+= the job's nodes; `distribution: PyTorch` with `process_count_per_instance: 1` - Azure starts *one*
+`deepfleet-worker` per node and sets MASTER_ADDR / MASTER_PORT / NODE_RANK / WORLD_SIZE for it, and the
+worker launches `processesPerNode` training processes under torchrun's elastic agent (Azure starting N
+workers per node would start N x N processes); the worker image as an anonymous environment (or the
+registered `spec.azureml.environment`); the compute target; the WorkerSpec and the submission env as
+environment variables; the experiment (`spec.azureml.experimentName`, else the project), a display name
+and tags linking back to our job.
+
+Status mapping (Azure's job statuses -> RunPhase): NotStarted, Queued, Preparing, Provisioning, Starting,
+Paused -> PENDING; Running, Finalizing, CancelRequested, NotResponding -> RUNNING (not over yet);
+Completed -> SUCCEEDED; Failed, Canceled -> FAILED. Azure reports no per-node exit codes through the job
+API; a status message of the form "... exited with status code N" is classified with `classify_exit`,
+otherwise the class is UNKNOWN.
+
+Logs: the job API has no log-tail call (`jobs.stream` prints to stdout until the job ends, `jobs.download`
+needs storage credentials), so `logs` raises a BackendError pointing at the run's studio URL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from azure.ai.ml import MLClient, PyTorchDistribution, command
+from azure.ai.ml.entities import Environment
+from azure.ai.ml.exceptions import MlException
+from azure.core.exceptions import (
+    AzureError,
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+
+from deepfleet.controller.backends.base import BackendError, Observation, RunPhase, Submission
+from deepfleet.controller.spec import node_bounds
+from deepfleet.worker.spec import SPEC_ENV, FailureClass, classify_exit
+
+WORKER_COMMAND = "deepfleet-worker"
+PHASES: dict[str, RunPhase] = {
+    "NotStarted": RunPhase.PENDING,
+    "Queued": RunPhase.PENDING,
+    "Preparing": RunPhase.PENDING,
+    "Provisioning": RunPhase.PENDING,
+    "Starting": RunPhase.PENDING,
+    "Paused": RunPhase.PENDING,
+    "Running": RunPhase.RUNNING,
+    "Finalizing": RunPhase.RUNNING,
+    "CancelRequested": RunPhase.RUNNING,
+    "NotResponding": RunPhase.RUNNING,
+    "Completed": RunPhase.SUCCEEDED,
+    "Failed": RunPhase.FAILED,
+    "Canceled": RunPhase.FAILED,
+}
+TAG_JOB_ID = "deepfleet.job-id"
+TAG_ATTEMPT = "deepfleet.attempt"
+TAG_RUN = "deepfleet.run"
+_EXIT = re.compile(r"exit(?:ed)? (?:with )?(?:status |exit )?code[: ]+(-?\d+)", re.IGNORECASE)
+
+
+def connect(subscription_id: str, resource_group: str, workspace: str, *, credential: Any = None,
+            **client_kwargs: Any) -> MLClient:
+    """An MLClient for the workspace (no network call until used). `client_kwargs` go to azure-core
+    (`transport=`, `retry_total=`...). azure-core retries throttling and 5xx ten times with backoff by
+    default; one retry is kept here so a call stays short - the reconciler retries transient errors on
+    its next pass."""
+    client_kwargs.setdefault("retry_total", 1)
+    if credential is None:
+        from azure.identity import DefaultAzureCredential
+
+        credential = DefaultAzureCredential()
+    return MLClient(credential, subscription_id, resource_group, workspace, **client_kwargs)
+
+
+def translate(e: Exception, what: str) -> BackendError:
+    """The BackendError for an SDK exception: transient for 429, 5xx and connection failures."""
+    if isinstance(e, ClientAuthenticationError):
+        return BackendError(f"azureml: {what}: authentication failed ({_first_line(e)}); check the credential",
+                            transient=False)
+    if isinstance(e, HttpResponseError):
+        status = e.status_code or 0
+        transient = status in (408, 429) or status >= 500
+        return BackendError(f"azureml: {what}: HTTP {status}: {_first_line(e)}", transient=transient)
+    if isinstance(e, ServiceRequestError | ServiceResponseError):
+        return BackendError(f"azureml: {what}: cannot reach Azure ({_first_line(e)})", transient=True)
+    return BackendError(f"azureml: {what}: {_first_line(e)}", transient=False)
+
+
+def _first_line(e: Exception) -> str:
+    text = getattr(e, "message", None) or str(e)
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
+
+
+def command_job(sub: Submission) -> Any:
+    """The Azure ML command job of one attempt (an `azure.ai.ml` Command node, not yet submitted)."""
+    s = sub.spec.spec
+    options = s.azureml
+    if options is None:
+        raise ValueError("spec.azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
+    nodes = node_bounds(sub.spec)[1]
+    if options.environment:
+        env: Any = options.environment if options.environment.startswith("azureml:") else f"azureml:{options.environment}"
+    else:
+        env = Environment(image=s.image)
+    variables = {
+        **sub.env,
+        SPEC_ENV: json.dumps(sub.worker_spec.model_dump(mode="json", exclude_none=True), sort_keys=True),
+        "DEEPFLEET_NNODES": str(nodes),
+    }
+    return command(
+        name=sub.name,
+        command=WORKER_COMMAND,
+        environment=env,
+        compute=options.compute,
+        instance_count=nodes,
+        distribution=PyTorchDistribution(process_count_per_instance=1),
+        environment_variables=variables,
+        experiment_name=options.experiment_name or sub.spec.metadata.project,
+        display_name=f"{sub.spec.metadata.name} (attempt {sub.attempt})",
+        description=f"deepfleet job {sub.job_id}, attempt {sub.attempt}",
+        tags={TAG_JOB_ID: sub.job_id, TAG_ATTEMPT: str(sub.attempt), TAG_RUN: sub.name,
+              "deepfleet.job-name": sub.spec.metadata.name, "deepfleet.project": sub.spec.metadata.project},
+    )
+
+
+def observation(status: str | None, *, message: str = "") -> Observation:
+    """The Observation for an Azure job status (see the module docstring's table)."""
+    if status is None:
+        return Observation(RunPhase.NOT_FOUND, message="no such Azure ML job")
+    phase = PHASES.get(status)
+    if phase is None:
+        return Observation(RunPhase.PENDING, message=f"unknown Azure ML status {status!r}")
+    if phase is RunPhase.SUCCEEDED:
+        return Observation(phase, failure_class=FailureClass.SUCCEEDED, message=status)
+    if phase is RunPhase.FAILED:
+        found = _EXIT.search(message)
+        if status == "Canceled":
+            fc = FailureClass.UNKNOWN
+        elif found:
+            fc = classify_exit(int(found.group(1)), log_tail=message)
+        else:
+            fc = classify_exit(1, log_tail=message) if message else FailureClass.UNKNOWN
+            fc = fc if fc is not FailureClass.USER_ERROR else FailureClass.UNKNOWN
+        codes = {0: int(found.group(1))} if found else {}
+        return Observation(phase, exit_codes=codes, failure_class=fc, message=f"{status}: {message}".rstrip(": "))
+    return Observation(phase, message=status)
+
+
+class AzureMLBackend:
+    """Runs jobs as Azure ML command jobs in the workspace of `ml_client`."""
+
+    name = "azureml"
+
+    def __init__(self, ml_client: MLClient) -> None:
+        self.ml_client = ml_client
+
+    def _get(self, name: str) -> Any | None:
+        try:
+            return self.ml_client.jobs.get(name)
+        except ResourceNotFoundError:
+            return None
+        except (AzureError, MlException) as e:
+            raise translate(e, f"get job {name}") from e
+
+    def submit(self, sub: Submission) -> None:
+        existing = self._get(sub.name)
+        if existing is not None:
+            owner = (existing.tags or {}).get(TAG_JOB_ID)
+            if owner != sub.job_id:
+                raise BackendError(f"azureml: job {sub.name} exists and belongs to job {owner!r}, not {sub.job_id}",
+                                   transient=False)
+            return
+        try:
+            job = command_job(sub)
+        except ValueError as e:
+            raise BackendError(f"azureml: {e}", transient=False) from e
+        try:
+            self.ml_client.jobs.create_or_update(job)
+        except (AzureError, MlException) as e:
+            raise translate(e, f"create job {sub.name}") from e
+
+    def observe(self, name: str) -> Observation:
+        job = self._get(name)
+        if job is None:
+            return observation(None)
+        return observation(_status(job), message=_status_message(job))
+
+    def cancel(self, name: str) -> None:
+        job = self._get(name)
+        if job is None or PHASES.get(_status(job)) in (RunPhase.SUCCEEDED, RunPhase.FAILED):
+            return
+        try:
+            self.ml_client.jobs.begin_cancel(name).wait()
+        except ResourceNotFoundError:
+            return
+        except (AzureError, MlException) as e:
+            raise translate(e, f"cancel job {name}") from e
+
+    def logs(self, name: str, *, node: int = 0, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+        job = self._get(name)
+        if job is None:
+            raise BackendError(f"azureml: no job {name}", transient=False)
+        raise BackendError(f"azureml: job logs are not readable through the job API; open {job.studio_url} "
+                           f"(Outputs + logs, node {node}) or run `az ml job download --name {name} --all`",
+                           transient=False)
+
+
+def _status(job: Any) -> str:
+    """The job's status as Azure spells it (the SDK returns a str enum, or a plain str)."""
+    return str(getattr(job.status, "value", job.status))
+
+
+def _status_message(job: Any) -> str:
+    """What Azure says about a finished job, when the SDK exposes it (errors are in `properties`)."""
+    props = getattr(job, "properties", None) or {}
+    for key in ("azureml.failureReason", "error", "FailureReason", "azureml.runErrorMessage"):
+        if props.get(key):
+            return str(props[key])
+    return ""

@@ -1,0 +1,170 @@
+"""The Azure ML backend through the real `MLClient` with a fake credential and a fake ARM transport: what
+submit PUTs (PyTorch distribution, instance count, env vars, compute, tags), idempotent submit, the status
+mapping table, cancel, logs and error translation."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import replace
+
+import pytest
+
+from deepfleet.controller.backends.base import BackendError, RunPhase
+from deepfleet.worker.spec import FailureClass
+from tests.controller.example_jobs import JOB_ID, example_submission
+from tests.controller.fake_azureml import SUBSCRIPTION, FakeAzureML, FakeCredential
+
+# The SDK marks many of its own classes experimental/deprecated when it imports them.
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning:azure")]
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from deepfleet.controller.backends import azureml
+    from deepfleet.controller.backends.azureml import AzureMLBackend, connect
+
+WORKSPACE = f"/subscriptions/{SUBSCRIPTION}/resourceGroups/rg/providers/Microsoft.MachineLearningServices/workspaces/ws"
+
+
+@pytest.fixture()
+def fake() -> FakeAzureML:
+    return FakeAzureML()
+
+
+@pytest.fixture()
+def backend(fake: FakeAzureML) -> AzureMLBackend:
+    return AzureMLBackend(connect(SUBSCRIPTION, "rg", "ws", credential=FakeCredential(), transport=fake,
+                                  retry_total=0))
+
+
+def test_submit_puts_a_pytorch_command_job(fake, backend) -> None:
+    sub = example_submission("azureml")
+    backend.submit(sub)
+    (put,) = fake.job_puts()
+    assert put.path == f"{WORKSPACE}/jobs/{sub.name}" and put.authorization == "Bearer fake-token"
+    props = put.body["properties"]
+    assert props["jobType"] == "Command" and props["command"] == "deepfleet-worker"
+    assert props["distribution"] == {"distributionType": "PyTorch", "processCountPerInstance": 1}
+    assert props["resources"]["instanceCount"] == 2
+    assert props["computeId"] == f"{WORKSPACE}/computes/gpu-cluster"
+    assert props["environmentId"].startswith(f"{WORKSPACE}/environments/CliV2AnonymousEnvironment/versions/")
+    env_put = next(c for c in fake.calls if "/environments/" in c.path and c.method == "PUT")
+    assert env_put.body["properties"]["image"] == sub.spec.spec.image
+    assert props["experimentName"] == "gpt-experiments" and props["displayName"] == "gpt-small (attempt 1)"
+    assert props["tags"] | {} == {"deepfleet.job-id": JOB_ID, "deepfleet.attempt": "1", "deepfleet.run": sub.name,
+                                  "deepfleet.job-name": "gpt-small", "deepfleet.project": "default"}
+    env = props["environmentVariables"]
+    assert {k: env[k] for k in ("DEEPFLEET_JOB_ID", "DEEPFLEET_ATTEMPT", "DEEPFLEET_TOKEN", "DEEPFLEET_HEARTBEAT_URL")} == \
+        {k: sub.env[k] for k in ("DEEPFLEET_JOB_ID", "DEEPFLEET_ATTEMPT", "DEEPFLEET_TOKEN", "DEEPFLEET_HEARTBEAT_URL")}
+    assert env["DEEPFLEET_NNODES"] == "2"
+    worker = json.loads(env["DEEPFLEET_WORKER_SPEC"])
+    assert worker["platform"] == "azureml" and worker["processes_per_node"] == 1 and worker["job_id"] == JOB_ID
+
+
+def test_a_registered_environment_is_used_by_reference(fake, backend) -> None:
+    sub = example_submission("azureml", azureml={"compute": "cpu", "environment": "deepfleet-worker:3"})
+    backend.submit(sub)
+    props = fake.job_puts()[0].body["properties"]
+    assert props["environmentId"] == f"{WORKSPACE}/environments/deepfleet-worker/versions/3"
+    assert props["experimentName"] == "default"  # the project when no experiment is named
+    assert not [c for c in fake.calls if "/environments/" in c.path]
+
+
+def test_submit_is_idempotent(fake, backend) -> None:
+    sub = example_submission("azureml")
+    backend.submit(sub)
+    backend.submit(sub)
+    assert len(fake.job_puts()) == 1
+    with pytest.raises(BackendError, match="belongs to job") as err:
+        backend.submit(replace(sub, job_id="another"))
+    assert not err.value.transient
+
+
+STATUS_TABLE = [
+    ("NotStarted", RunPhase.PENDING), ("Queued", RunPhase.PENDING), ("Preparing", RunPhase.PENDING),
+    ("Provisioning", RunPhase.PENDING), ("Starting", RunPhase.PENDING), ("Paused", RunPhase.PENDING),
+    ("Running", RunPhase.RUNNING), ("Finalizing", RunPhase.RUNNING), ("CancelRequested", RunPhase.RUNNING),
+    ("NotResponding", RunPhase.RUNNING), ("Completed", RunPhase.SUCCEEDED), ("Failed", RunPhase.FAILED),
+    ("Canceled", RunPhase.FAILED),
+]
+
+
+@pytest.mark.parametrize(("status", "phase"), STATUS_TABLE)
+def test_status_mapping(fake, backend, status, phase) -> None:
+    sub = example_submission("azureml")
+    backend.submit(sub)
+    fake.set_status(sub.name, status)
+    obs = backend.observe(sub.name)
+    assert obs.phase is phase
+    assert (obs.failure_class is FailureClass.SUCCEEDED) == (phase is RunPhase.SUCCEEDED)
+
+
+def test_every_azure_status_is_mapped() -> None:
+    assert {s for s, _ in STATUS_TABLE} == set(azureml.PHASES)
+
+
+@pytest.mark.parametrize(("message", "expected", "codes"), [
+    ("UserError: User process 'deepfleet-worker' exited with status code 77", FailureClass.OOM, {0: 77}),
+    ("UserError: User process 'deepfleet-worker' exited with status code 76", FailureClass.COMM_FAILURE, {0: 76}),
+    ("UserError: User process 'deepfleet-worker' exited with status code 65", FailureClass.USER_ERROR, {0: 65}),
+    ("Execution failed: CUDA out of memory", FailureClass.OOM, {}),
+    ("", FailureClass.UNKNOWN, {}),
+])
+def test_failures_are_classified_from_azures_message(message, expected, codes) -> None:
+    obs = azureml.observation("Failed", message=message)
+    assert obs.phase is RunPhase.FAILED and obs.failure_class is expected and obs.exit_codes == codes
+
+
+def test_unknown_job_is_not_found(backend) -> None:
+    assert backend.observe("df-none-00000000-a1").phase is RunPhase.NOT_FOUND
+    backend.cancel("df-none-00000000-a1")  # idempotent
+
+
+def test_cancel_posts_the_cancel_action(fake, backend) -> None:
+    sub = example_submission("azureml")
+    backend.submit(sub)
+    fake.set_status(sub.name, "Running")
+    backend.cancel(sub.name)
+    posts = [c for c in fake.calls if c.method == "POST"]
+    assert [c.path for c in posts] == [f"{WORKSPACE}/jobs/{sub.name}/cancel"]
+    assert backend.observe(sub.name).phase is RunPhase.FAILED
+    backend.cancel(sub.name)  # already over: no second cancel
+    assert len([c for c in fake.calls if c.method == "POST"]) == 1
+
+
+def test_logs_point_to_the_studio(fake, backend) -> None:
+    sub = example_submission("azureml")
+    backend.submit(sub)
+    with pytest.raises(BackendError, match="ml.azure.com/runs/" + sub.name):
+        backend.logs(sub.name, node=1)
+
+
+@pytest.mark.parametrize(("status", "code", "transient"), [
+    (400, "UserError", False), (403, "AuthorizationFailed", False), (404, "ComputeNotFound", False),
+    (429, "TooManyRequests", True), (503, "ServiceUnavailable", True),
+])
+def test_error_responses_become_backend_errors(fake, backend, status, code, transient) -> None:
+    sub = example_submission("azureml")
+    fake.fail_next("PUT", r"/jobs/[^/]+$", status, code=code, message=f"compute 'gpu-cluster': {code}")
+    with pytest.raises(BackendError) as err:
+        backend.submit(sub)
+    assert err.value.transient is transient
+    assert str(err.value).startswith(f"azureml: create job {sub.name}: HTTP {status}") and code in str(err.value)
+
+
+def test_one_transient_error_is_retried_by_the_sdk(fake) -> None:
+    sub = example_submission("azureml")
+    backend = AzureMLBackend(connect(SUBSCRIPTION, "rg", "ws", credential=FakeCredential(), transport=fake,
+                                     retry_backoff_factor=0))
+    fake.fail_next("PUT", r"/jobs/[^/]+$", 503, code="ServiceUnavailable")
+    backend.submit(sub)
+    assert len(fake.job_puts()) == 2 and sub.name in fake.jobs
+
+
+def test_observe_errors_are_translated(fake, backend) -> None:
+    fake.fail_next("GET", r"/jobs/", 500, code="InternalServerError")
+    with pytest.raises(BackendError, match="HTTP 500") as err:
+        backend.observe("df-x-00000000-a1")
+    assert err.value.transient
