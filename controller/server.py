@@ -2,9 +2,9 @@
 
 Run by `deepfleet server` (which execs `python -m deepfleet.controller.server` so the CLI itself never
 imports the API, the database or a backend), by the demo and by end-to-end tests. This is the
-composition root: settings -> `create_app` -> the web router -> a `LocalBackend` and a `Reconciler`
-thread started after the app's start-up (migrations, bootstrap token) and stopped before its
-shutdown -> uvicorn on the given host and port.
+composition root: settings -> `create_app` -> the web router -> one backend and one `Reconciler`
+thread per enabled backend (`DEEPFLEET_BACKENDS`: local, kubernetes), started after the app's
+start-up (migrations, bootstrap token) and stopped before its shutdown -> uvicorn on host:port.
 
 On a laptop no token is configured: the server mints an admin token once, keeps it in
 `<data_dir>/admin-token` (mode 0600) and reuses it on restart; the CLI finds it there. The key of
@@ -28,9 +28,10 @@ from pydantic import SecretStr
 
 from deepfleet.controller.api import web
 from deepfleet.controller.app import create_app
+from deepfleet.controller.backends.base import Backend
 from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
-from deepfleet.controller.scheduler import Limit
+from deepfleet.controller.scheduler import UNLIMITED, Limit
 from deepfleet.controller.settings import Settings, SettingsError
 from deepfleet.controller.tokens import mint_api_token
 
@@ -54,38 +55,58 @@ def persisted(data_dir: Path, *, name: str, make: Callable[[], str]) -> str:
     return value
 
 
+def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
+             worker_command: list[str] | None = None) -> list[tuple[Backend, Limit]]:
+    """Each enabled backend with the capacity admission may fill (a cluster's own scheduler bounds the rest)."""
+    out: list[tuple[Backend, Limit]] = []
+    for name in settings.backends:
+        if name == "local":
+            local = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command)
+            out.append((local, Limit(processes=slots)))
+        elif name == "kubernetes":
+            from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, connect
+
+            namespace = os.environ.get("DEEPFLEET_K8S_NAMESPACE", "default")
+            out.append((KubernetesBackend(connect(), namespace=namespace), UNLIMITED))
+        else:
+            log.warning("backend %s has no implementation in this build; its jobs stay PENDING", name)
+    return out
+
+
 def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker_command: list[str] | None = None,
           heartbeat_interval_s: float | None = None, reconcile: bool = True) -> FastAPI:
-    """The app with the web page and (if `reconcile`) a local-backend reconciler bound to its lifespan."""
+    """The app with the web page and (if `reconcile`) one reconciler thread per backend, bound to its lifespan."""
     app = create_app(settings)
-    if not any(getattr(r, "path", None) == "/ui/" for r in app.routes):
-        app.include_router(web.router)
-    if not reconcile or "local" not in settings.backends:
+    app.include_router(web.router)  # the page is part of the served controller, not of the bare API app
+    if not reconcile:
         return app
-    backend = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command)
-    config = ReconcilerConfig(
-        replica_id=settings.replica_id, controller_url=settings.controller_url,
-        secret=settings.secret.get_secret_value(), backend_name="local", capacity=Limit(processes=slots),
-        lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
-    )
-    reconciler = Reconciler(app.state.sessions, backend=backend, config=config)
+    reconcilers = [
+        Reconciler(app.state.sessions, backend=backend, config=ReconcilerConfig(
+            replica_id=settings.replica_id, controller_url=settings.controller_url,
+            secret=settings.secret.get_secret_value(), backend_name=backend.name, capacity=capacity,
+            lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
+        ))
+        for backend, capacity in backends(settings, slots=slots, workdir=workdir, worker_command=worker_command)
+    ]
     inner = app.router.lifespan_context
 
     @asynccontextmanager
     async def lifespan(a: FastAPI) -> AsyncIterator[None]:
-        async with inner(a):
+        async with inner(a):  # migrations and the bootstrap token first
             stop = threading.Event()
-            thread = threading.Thread(target=reconciler.run, args=(stop,), name="reconciler", daemon=True,
-                                      kwargs={"interval_s": settings.reconcile_interval_s})
-            thread.start()
+            threads = [threading.Thread(target=r.run, args=(stop,), name=f"reconciler-{r.backend.name}", daemon=True,
+                                        kwargs={"interval_s": settings.reconcile_interval_s}) for r in reconcilers]
+            for thread in threads:
+                thread.start()
             try:
                 yield
             finally:
                 stop.set()
-                thread.join(timeout=30)
+                for thread in threads:
+                    thread.join(timeout=30)
 
     app.router.lifespan_context = lifespan
-    app.state.reconciler = reconciler
+    app.state.reconcilers = reconcilers
     return app
 
 
