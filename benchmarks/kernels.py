@@ -179,10 +179,16 @@ def case_fused_adamw(numel: int, mode: str):
 def case_onebit(numel: int, mode: str):
     x = torch.randn(numel, device=DEV)
     err = torch.zeros(numel, device=DEV)
+    compiled_pack = torch.compile(onebit.onebit_pack_reference)
+    compiled_unpack = torch.compile(onebit.onebit_unpack_reference)
+
+    def round_trip(pack, unpack):
+        return unpack(*pack(x, err, 2048), numel, 2048, torch.float32)
 
     fns = {
         "triton": triton_call(lambda: onebit.onebit_unpack(*onebit.onebit_pack(x, err), numel=numel)),
-        "torch": lambda: onebit.onebit_unpack_reference(*onebit.onebit_pack_reference(x, err, 2048), numel, 2048, torch.float32),
+        "torch": lambda: round_trip(onebit.onebit_pack_reference, onebit.onebit_unpack_reference),
+        "compile": lambda: round_trip(compiled_pack, compiled_unpack),
     }
     # pack: read x, read+write error, write bits; unpack: read bits, write values
     return fns, numel * (4 + 8 + 4) + 2 * math.ceil(numel / 8), [], False
@@ -206,6 +212,7 @@ def case_moe(tokens: int, d: int, experts: int, k: int, mode: str):
     fns = {
         "triton": triton_call(run(moe.moe_permute_op, moe.moe_unpermute_op)),
         "torch": run(moe.moe_permute_reference, moe.moe_unpermute_reference),
+        "compile": run(torch.compile(moe.moe_permute_reference), torch.compile(moe.moe_unpermute_reference)),
     }
     # fwd: read x, write k copies, read them, write out; bwd: the same traffic again
     return fns, 2 * (2 * tokens * d + 2 * tokens * k * d) * 2, [x, gates], False
