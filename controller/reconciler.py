@@ -175,6 +175,10 @@ class Reconciler:
                                  f"admitted to queue {by_id[job_id].queue}", now)
             for job_id, why in out.unschedulable.items():
                 self._transition(s, by_id[job_id], Phase.FAILED, "Unschedulable", why, now)
+            if out.reserved_for is not None:  # say why the head of the line waits (a message, not an event)
+                head = by_id[out.reserved_for]
+                head.message = (f"next in line: waiting for {head.world_size} processes / {head.gpus} GPUs to free "
+                                "up; later jobs wait behind it")
 
     # ------------------------------------------------------------------ one job
     def _reconcile_job(self, job_id: str, now: datetime) -> None:

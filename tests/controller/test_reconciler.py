@@ -115,6 +115,7 @@ def test_admission_respects_capacity_quota_and_rejects_what_never_fits(tmp_path:
     over = insert_job(sessions, job_document("over", args=long, nodes=3, queue="small"))
     rec.reconcile_once(t0 + timedelta(seconds=3))
     assert [job(sessions, j).phase for j in (a, b, c)] == ["ADMITTED", "ADMITTED", "PENDING"]
+    assert job(sessions, c).message.startswith("next in line: waiting for 2 processes")
     assert job(sessions, huge).phase == "FAILED" and "more than the backend has" in job(sessions, huge).message
     assert job(sessions, over).phase == "FAILED" and "queue 'small'" in job(sessions, over).message
     for j in (a, b, c):
