@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
 from deepfleet.engine.zero.layout import (
     Slot,
     all_gather_params,
@@ -42,8 +45,6 @@ from deepfleet.engine.zero.layout import (
     make_slot,
     reduce_scatter,
 )
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 _MASTER_DTYPE = torch.float32  # dtype of what the optimizer updates and of gradient reductions
 

@@ -16,16 +16,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from deepfleet.engine.zero.layout import all_gather_params, build_buckets
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from deepfleet.engine.zero.layout import all_gather_params, build_buckets
 from tests.engine.partitioned_cases import (
     LR,
     build,
     global_batch,
+    make_model,
     portable,
     rank_slice,
+    reference_run,
     reference_step,
     rows_err,
     step_err,
@@ -197,6 +199,43 @@ def _checkpoint(rank: int, world_size: int, kind: str, path: str, save: bool) ->
     return {"state": loaded, "next": _step(model, strategy, optimizer, batch)}
 
 
+def _engine_batches(world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Two global batches of 2 micro-steps x MICRO samples per rank."""
+    return [global_batch("gpt", 2 * MICRO * world_size, seed=10 + step) for step in range(2)]
+
+
+def _through_engine(rank: int, world_size: int, stage: int) -> dict:
+    """Two optimizer steps through `deepfleet.engine.initialize`: accumulation over 2 micro-steps,
+    clipping, AdamW; the engine picks the stage's strategy from the config."""
+    import deepfleet.engine as deepfleet
+
+    model = make_model("gpt")
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": MAX_NORM,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+    }
+    engine, *_ = deepfleet.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config,
+        optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=0.1),
+    )
+    norms = []
+    for batch in _engine_batches(world_size):
+        mine = rank_slice(batch, rank, world_size)
+        for m in range(2):
+            engine.backward(engine({k: v[m * MICRO : (m + 1) * MICRO] for k, v in mine.items()}))
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    return {
+        "strategy": type(engine.sharding).__name__,
+        "norms": norms,
+        "params": {k: p.detach().clone() for k, p in model.named_parameters()},
+    }
+
+
 def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
     out: dict = {"layout": _layout_round_trip(rank, world_size)}
     for stage in (1, 2):
@@ -206,6 +245,7 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
         if world_size == 3:
             out[f"clip{stage}"] = _one_step(rank, world_size, "gpt", stage, MAX_NORM)
             out[f"overflow{stage}"] = _overflow(rank, world_size, stage)
+            out[f"engine{stage}"] = _through_engine(rank, world_size, stage)
         else:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
@@ -275,6 +315,18 @@ def test_clip_norm_is_the_global_norm_and_clips(runs: dict, stage: int) -> None:
         assert r["norm"] == pytest.approx(ref_norm, rel=1e-5)
         for name, ref in ref_params.items():
             assert step_err(r["params"][name], ref, ref_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_engine_initialize_trains_like_one_process(runs: dict, stage: int) -> None:
+    """Through the public API at 3 ranks: 2 steps of 2 accumulated micro-steps with clipping."""
+    ref_params, ref_grads, ref_norms = reference_run("gpt", _engine_batches(3), max_norm=MAX_NORM)
+    assert min(ref_norms) > MAX_NORM  # every step clips
+    for r in (run[f"engine{stage}"] for run in runs[3]):
+        assert r["strategy"] == f"ZeroStage{stage}"
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
+        for name, ref in ref_params.items():
+            assert step_err(r["params"][name], ref, ref_grads[name], steps=2) <= 1e-5, name
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from deepfleet.engine.zero.layout import Bucket, build_buckets, local_rows, make_slot
 
 SHAPES = [(1,), (5, 3), (7,), (), (4, 2, 3), (2,), (3, 1), (0, 4)]
