@@ -68,6 +68,10 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
 
             namespace = os.environ.get("DEEPFLEET_K8S_NAMESPACE", "default")
             out.append((KubernetesBackend(connect(), namespace=namespace), UNLIMITED))
+        elif name == "azureml":
+            from deepfleet.controller.backends.azureml import from_env
+
+            out.append((from_env(os.environ), UNLIMITED))
         else:
             log.warning("backend %s has no implementation in this build; its jobs stay PENDING", name)
     return out
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env(
             database_url=args.db, data_dir=args.data_dir, replica_id=args.replica_id,
             reconcile_interval_s=args.reconcile_interval,
-            controller_url=os.environ.get("DEEPFLEET_CONTROLLER_URL") or f"http://{args.host}:{args.port}",
+            controller_url=(os.environ.get("DEEPFLEET_CONTROLLER_URL") or os.environ.get("DEEPFLEET_PUBLIC_URL")
+                            or f"http://{args.host}:{args.port}"),
         )
         if settings.admin_token is None:
             token = persisted(settings.data_dir, name=ADMIN_TOKEN_FILE, make=lambda: mint_api_token().token)

@@ -18,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 ENV_PREFIX = "DEEPFLEET_"
+# Other names the Helm chart (charts/deepfleet) sets for the same fields; the field's own name wins.
+ENV_ALIASES = {"DB_URL": "database_url", "BACKEND": "backends", "RECONCILE_INTERVAL": "reconcile_interval_s",
+               "PUBLIC_URL": "controller_url"}
 
 
 def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -100,6 +103,9 @@ class Settings(BaseModel):
             key = ENV_PREFIX + name.upper()
             if key in env and env[key] != "":
                 values[name] = env[key].split(",") if name == "backends" else env[key]
+        for alias, name in ENV_ALIASES.items():
+            if name not in values and env.get(ENV_PREFIX + alias):
+                values[name] = env[ENV_PREFIX + alias].split(",") if name == "backends" else env[ENV_PREFIX + alias]
         if "database_url" not in values and env.get("DATABASE_URL"):
             values["database_url"] = env["DATABASE_URL"]
         if "data_dir" not in values:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from azure.ai.ml import MLClient, PyTorchDistribution, command
@@ -82,6 +82,19 @@ def connect(subscription_id: str, resource_group: str, workspace: str, *, creden
 
         credential = DefaultAzureCredential()
     return MLClient(credential, subscription_id, resource_group, workspace, **client_kwargs)
+
+
+WORKSPACE_ENV = ("AZURE_SUBSCRIPTION_ID", "AZURE_RESOURCE_GROUP", "AZUREML_WORKSPACE")
+
+
+def from_env(environ: Mapping[str, str], **client_kwargs: Any) -> AzureMLBackend:
+    """The backend for the workspace named by AZURE_SUBSCRIPTION_ID, AZURE_RESOURCE_GROUP and
+    AZUREML_WORKSPACE (credentials: DefaultAzureCredential). Raises BackendError naming what is missing."""
+    missing = [k for k in WORKSPACE_ENV if not environ.get(k)]
+    if missing:
+        raise BackendError(f"azureml: set {', '.join(missing)} to the workspace the controller submits to",
+                           transient=False)
+    return AzureMLBackend(connect(*(environ[k] for k in WORKSPACE_ENV), **client_kwargs))
 
 
 def translate(e: Exception, what: str) -> BackendError:

@@ -168,3 +168,12 @@ def test_observe_errors_are_translated(fake, backend) -> None:
     with pytest.raises(BackendError, match="HTTP 500") as err:
         backend.observe("df-x-00000000-a1")
     assert err.value.transient
+
+
+def test_the_workspace_comes_from_the_environment(fake) -> None:
+    with pytest.raises(BackendError, match="set AZURE_RESOURCE_GROUP, AZUREML_WORKSPACE"):
+        azureml.from_env({"AZURE_SUBSCRIPTION_ID": SUBSCRIPTION})
+    env = {"AZURE_SUBSCRIPTION_ID": SUBSCRIPTION, "AZURE_RESOURCE_GROUP": "rg", "AZUREML_WORKSPACE": "ws"}
+    backend = azureml.from_env(env, credential=FakeCredential(), transport=fake)
+    assert backend.observe("df-x-00000000-a1").phase is RunPhase.NOT_FOUND
+    assert fake.calls[-1].path == f"{WORKSPACE}/jobs/df-x-00000000-a1"

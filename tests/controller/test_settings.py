@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from deepfleet.controller.settings import Settings, SettingsError
 
 
@@ -27,3 +28,13 @@ def test_bad_values_name_the_variable(tmp_path: Path) -> None:
     with pytest.raises(SettingsError) as info:
         Settings.from_env({"HOME": str(tmp_path), "DEEPFLEET_BACKENDS": "slurm", "DEEPFLEET_MAX_REQUEST_BYTES": "big"})
     assert [e.split(":")[0] for e in info.value.errors] == ["DEEPFLEET_BACKENDS", "DEEPFLEET_MAX_REQUEST_BYTES"]
+
+
+def test_the_helm_charts_variable_names_are_read(tmp_path) -> None:
+    env = {"HOME": str(tmp_path), "DEEPFLEET_DB_URL": "postgresql+psycopg://u@db/df", "DEEPFLEET_BACKEND": "kubernetes",
+           "DEEPFLEET_RECONCILE_INTERVAL": "5", "DEEPFLEET_PUBLIC_URL": "http://deepfleet.ns.svc:8000"}
+    s = Settings.from_env(env)
+    assert (s.database_url, s.backends, s.reconcile_interval_s, s.controller_url) == \
+        ("postgresql+psycopg://u@db/df", ["kubernetes"], 5.0, "http://deepfleet.ns.svc:8000")
+    # The field's own variable wins over the chart's alias.
+    assert Settings.from_env({**env, "DEEPFLEET_BACKENDS": "local"}).backends == ["local"]
