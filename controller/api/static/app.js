@@ -103,13 +103,15 @@ function plot(points) {
     line.setAttribute("fill", "none"); line.setAttribute("stroke", s.color); line.setAttribute("stroke-width", "2");
     line.setAttribute("class", "series-" + s.key);
     svg.append(line);
-    legend.push(`${s.label}: ${ys[ys.length - 1].toPrecision(4)} (range ${lo.toPrecision(3)}..${hi.toPrecision(3)})`);
+    const swatch = el("span", { style: `color:${s.color};font-weight:700` }, "\u25A0 ");
+    legend.push(el("span", {}, swatch,
+      `${s.label}: ${ys[ys.length - 1].toPrecision(4)} (range ${lo.toPrecision(3)}..${hi.toPrecision(3)})   `));
   }
   const label = document.createElementNS(ns, "text");
   label.setAttribute("x", W - P); label.setAttribute("y", H - 8); label.setAttribute("text-anchor", "end");
   label.setAttribute("font-size", "11"); label.textContent = `step ${x0}..${x1}`;
   svg.append(label);
-  $("#plot-legend").textContent = legend.join("   ");
+  $("#plot-legend").replaceChildren(...legend);
 }
 
 async function refreshJob(id) {
