@@ -30,6 +30,7 @@ from deepfleet.worker.rendezvous import Rendezvous, RendezvousEnvError, resolve
 from deepfleet.worker.signals import MARKER_ENV
 from deepfleet.worker.spec import (
     SPEC_ENV,
+    TOKEN_ENV,
     ExitCode,
     FailureClass,
     FailureReport,
@@ -128,11 +129,14 @@ def child_environment(spec: WorkerSpec, *, marker: Path, cpu: bool) -> dict[str,
     child_spec = spec.model_copy(update={"preemption": spec.preemption.model_copy(update={"notice_file": None})})
     env = {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        SPEC_ENV: child_spec.model_dump_json(),
+        # The token travels in DEEPFLEET_TOKEN only, never inside the spec text.
+        SPEC_ENV: child_spec.model_dump_json(exclude={"heartbeat": {"token"}}),
         MARKER_ENV: str(marker),
         "DEEPFLEET_JOB_ID": spec.job_id,
         "DEEPFLEET_ATTEMPT": str(spec.attempt),
     }
+    if spec.heartbeat.token:
+        env[TOKEN_ENV] = spec.heartbeat.token
     if cpu:
         env["OMP_NUM_THREADS"] = "1"
     env.update(spec.env)

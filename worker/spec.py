@@ -362,18 +362,18 @@ def parse_worker_spec(data: Mapping[str, Any], *, environ: Mapping[str, str] | N
     env = os.environ if environ is None else environ
     if not isinstance(data, Mapping):
         raise WorkerSpecError([f"<spec>: expected a JSON object, got {type(data).__name__}; write {{...}}"])
+    def fill(target: dict[str, Any], key: str, var: str) -> None:
+        if target.get(key) is None and env.get(var):
+            target[key] = env[var]
+
     raw: dict[str, Any] = dict(data)
-    if JOB_ID_ENV in env:
-        raw.setdefault("job_id", env[JOB_ID_ENV])
-    if ATTEMPT_ENV in env:
-        raw.setdefault("attempt", env[ATTEMPT_ENV])
+    fill(raw, "job_id", JOB_ID_ENV)
+    fill(raw, "attempt", ATTEMPT_ENV)
     hb = raw.get("heartbeat")
     if isinstance(hb, Mapping) or hb is None:
         hb = dict(hb or {})
-        if HEARTBEAT_URL_ENV in env:
-            hb.setdefault("url", env[HEARTBEAT_URL_ENV])
-        if TOKEN_ENV in env:
-            hb.setdefault("token", env[TOKEN_ENV])
+        fill(hb, "url", HEARTBEAT_URL_ENV)
+        fill(hb, "token", TOKEN_ENV)
         if hb:
             raw["heartbeat"] = hb
     try:

@@ -68,8 +68,11 @@ def _tokens(batch: Any) -> int:
     """Tokens in one micro-batch: input_ids elements for token batches, else the batch's rows."""
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
         return batch["input_ids"].numel()
-    first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (list, tuple)) else batch
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = next(iter(batch.values()), None)
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0] if batch else None
+    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) and batch.dim() else 1
 
 
 def _batches(loader: Any) -> Iterator[Any]:

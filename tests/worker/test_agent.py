@@ -75,6 +75,7 @@ def _spec(tmp_path: Path, args: list[str], **over: object) -> dict:
 
 def test_launch_config_and_child_environment(tmp_path: Path) -> None:
     spec = parse_worker_spec(_spec(tmp_path, [], nodes={"min": 1, "max": 2}, env={"FOO": "bar"},
+                                   heartbeat={"url": "http://c/hb", "token": "s3cret"},
                                    preemption={"notice_file": "/tmp/notice", "grace_period_s": 12.5}),
                              environ={})
     rdzv = resolve(spec, {"DEEPFLEET_NNODES": "2", "DEEPFLEET_NODE_RANK": "1", "DEEPFLEET_MASTER_ADDR": "h0"})
@@ -89,7 +90,11 @@ def test_launch_config_and_child_environment(tmp_path: Path) -> None:
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["FOO"] == "bar" and env["DEEPFLEET_PREEMPTED_MARKER"] == str(tmp_path / "m")
     # the worker watches the notice file; training processes must not stop on their own
-    assert json.loads(env["DEEPFLEET_WORKER_SPEC"])["preemption"]["notice_file"] is None
+    child = json.loads(env["DEEPFLEET_WORKER_SPEC"])
+    assert child["preemption"]["notice_file"] is None
+    # the token reaches the training processes through DEEPFLEET_TOKEN, not inside the spec text
+    assert "s3cret" not in env["DEEPFLEET_WORKER_SPEC"] and env["DEEPFLEET_TOKEN"] == "s3cret"
+    assert parse_worker_spec(child, environ=env).heartbeat.token == "s3cret"
 
 
 def _run_worker(spec: dict, *, timeout: float = 150, on_line=None) -> tuple[int, str]:
