@@ -299,8 +299,9 @@ class _Partitioned(ABC):
         return {"state": state, "param_groups": groups}
 
     def _ensure_optimizer_state(self) -> None:
-        """Give a fresh optimizer its state tensors (one step with zero gradients and lr 0), so a
-        state dict taken before the first step has every entry `dcp.load` must fill in place."""
+        """Give a fresh optimizer its state tensors (one step with zero gradients and lr 0, then the
+        step counts reset to 0: the same as never having stepped), so a state dict taken before the
+        first step has every entry `dcp.load` must fill in place."""
         assert self.optimizer is not None
         if self.optimizer.state:
             return
@@ -314,6 +315,11 @@ class _Partitioned(ABC):
             g["lr"] = lr
         for t in self._opt_tensors:
             t.grad = None
+            step = self.optimizer.state[t].get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                self.optimizer.state[t]["step"] = 0
 
     def load_state_dict(self, state: dict) -> None:
         """Load `state_dict()`-shaped state; model entries may be full tensors or Shard(0) DTensors of

@@ -184,19 +184,31 @@ def _full_state(strategy) -> dict:
 def _checkpoint(rank: int, world_size: int, kind: str, path: str, save: bool) -> dict:
     """Save: stage 2 steps once and saves; load: a stage-1 model with other weights loads it. Both then
     take the same next step on the same global batch."""
+    fresh = None
     if save:
         model, strategy, optimizer = build(kind, 2)
         _step(model, strategy, optimizer, rank_slice(global_batch(kind, RESUME_BATCH), rank, world_size))
         dcp.save(strategy.state_dict(), checkpoint_id=path)
     else:
         model, strategy, optimizer = build(kind, 1, seed=1)
-        state = strategy.state_dict()
+        before = [p.detach().clone() for p in model.parameters()]
+        state = strategy.state_dict()  # before any step: the optimizer's state must exist to load into
+        fresh = {
+            "unchanged": all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)),
+            "steps": {float(s["step"]) for s in state["optim"]["state"].values()},
+            "moments": {
+                float(v.full_tensor().abs().sum())
+                for s in state["optim"]["state"].values()
+                for k, v in s.items()
+                if isinstance(v, DTensor)
+            },
+        }
         dcp.load(state, checkpoint_id=path)
         strategy.load_state_dict(state)
     dist.barrier()
     loaded = _full_state(strategy)
     batch = rank_slice(global_batch(kind, RESUME_BATCH, seed=2), rank, world_size)
-    return {"state": loaded, "next": _step(model, strategy, optimizer, batch)}
+    return {"state": loaded, "fresh": fresh, "next": _step(model, strategy, optimizer, batch)}
 
 
 def _engine_batches(world_size: int) -> list[dict[str, torch.Tensor]]:
@@ -373,6 +385,8 @@ def test_bf16_keeps_fp32_masters_close_to_fp32(runs: dict, stage: int) -> None:
 def test_checkpoint_saved_at_2_ranks_stage_2_loads_at_3_ranks_stage_1(runs: dict, kind: str) -> None:
     saved, loaded = runs[2][0][f"checkpoint-{kind}"], runs[3]
     for r in loaded:
+        # a state dict taken before the first step creates the optimizer's state as if it never stepped
+        assert r[f"checkpoint-{kind}"]["fresh"] == {"unchanged": True, "steps": {0.0}, "moments": {0.0}}
         for part in ("model", "optim"):
             assert r[f"checkpoint-{kind}"]["state"][part].keys() == saved["state"][part].keys()
         for name, value in saved["state"]["model"].items():
