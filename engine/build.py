@@ -63,6 +63,7 @@ def build_training(
     """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order."""
     _check_one_source("optimizer", config.optimizer, optimizer)
     _check_one_source("scheduler", config.scheduler, lr_scheduler)
+    _check_offload(model, config.zero_optimization)
 
     # 1. Precision first: the strategy needs the compute dtype, and must see the fp32 model so its
     #    master weights are exact (it casts the model itself, or casts per forward at stage 3).
@@ -95,6 +96,20 @@ def _check_one_source(key: str, configured: Any, given: Any) -> None:
             f"{key}: set in the config and passed to initialize(); keep one "
             f"(drop the \"{key}\" section or the {'optimizer' if key == 'optimizer' else 'lr_scheduler'} argument)"
         )
+
+
+def _check_offload(model: nn.Module, zero_config: Any) -> None:
+    """Offloading model states to the CPU is a no-op when training already runs on the CPU (every state
+    lives in host memory); on an accelerator it is not implemented yet, and is refused by name rather
+    than silently keeping the states on the device."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero_config, key, None)
+        if section is not None and section.device == "cpu" and device.type != "cpu":
+            raise ValueError(
+                f"zero_optimization.{key}.device: CPU offload while training on {device.type} is not "
+                f"supported yet; remove zero_optimization.{key} (or set its device to \"none\")"
+            )
 
 
 def _param_groups(model: nn.Module, model_parameters: Any, optimizer: Any) -> list[dict]:

@@ -1,0 +1,32 @@
+"""Offload sections: accepted when training on the CPU (states already live in host memory), refused
+by name on an accelerator, where moving optimizer state to the host is not implemented yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepfleet.engine.build import build_training
+from deepfleet.engine.config import load_config
+from torch import nn
+
+
+def _config(section: str) -> object:
+    return load_config({
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, section: {"device": "cpu"}},
+    })
+
+
+class _OnMeta(nn.Module):
+    """A model whose parameters sit on a non-CPU device (meta stands in for an accelerator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(2, device="meta"))
+
+
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_offload_on_an_accelerator_is_refused_by_name(section: str) -> None:
+    with pytest.raises(ValueError, match=rf"zero_optimization\.{section}\.device: .*not supported yet"):
+        build_training(_OnMeta(), _config(section))
