@@ -3,7 +3,7 @@
 Run by `deepfleet server` (which execs `python -m deepfleet.controller.server` so the CLI itself never
 imports the API, the database or a backend), by the demo and by end-to-end tests. This is the
 composition root: settings -> `create_app` -> the web router -> one backend and one `Reconciler`
-thread per enabled backend (`DEEPFLEET_BACKENDS`: local, kubernetes), started after the app's
+thread per enabled backend (`DEEPFLEET_BACKENDS`: local, kubernetes, azureml), started after the app's
 start-up (migrations, bootstrap token) and stopped before its shutdown -> uvicorn on host:port.
 
 On a laptop no token is configured: the server mints an admin token once, keeps it in
@@ -28,7 +28,7 @@ from pydantic import SecretStr
 
 from deepfleet.controller.api import web
 from deepfleet.controller.app import create_app
-from deepfleet.controller.backends.base import Backend
+from deepfleet.controller.backends.base import Backend, BackendError
 from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
 from deepfleet.controller.scheduler import UNLIMITED, Limit
@@ -72,8 +72,10 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
             from deepfleet.controller.backends.azureml import from_env
 
             out.append((from_env(os.environ), UNLIMITED))
-        else:
-            log.warning("backend %s has no implementation in this build; its jobs stay PENDING", name)
+        elif name == "azureml":
+            from deepfleet.controller.backends.azureml import from_env
+
+            out.append((from_env(os.environ), UNLIMITED))
     return out
 
 
@@ -154,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     command = args.worker_command.split() if args.worker_command else None
-    app = build(settings, slots=args.slots, workdir=args.workdir, worker_command=command,
-                heartbeat_interval_s=args.heartbeat_interval)
+    try:
+        app = build(settings, slots=args.slots, workdir=args.workdir, worker_command=command,
+                    heartbeat_interval_s=args.heartbeat_interval)
+    except BackendError as e:  # a backend that cannot be reached or is not configured
+        print(f"deepfleet server: {e}", file=sys.stderr)
+        return 2
     print(f"deepfleet controller on http://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
           f"logs {settings.logs_root})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -3,10 +3,12 @@ bootstrap token and secret."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 
+from deepfleet.controller.backends.base import BackendError
 from deepfleet.controller.scheduler import UNLIMITED, Limit
 from deepfleet.controller.server import backends, build, persisted
 from deepfleet.controller.settings import Settings
@@ -30,6 +32,17 @@ def test_one_backend_per_enabled_name_with_its_capacity(tmp_path: Path, monkeypa
     made = backends(settings, slots=3)
     assert [(b.name, cap) for b, cap in made] == [("local", Limit(processes=3)), ("kubernetes", UNLIMITED)]
     assert made[1][0].namespace == "jobs"
+
+
+def test_an_unconfigured_azureml_backend_is_a_one_line_error(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    with warnings.catch_warnings():  # azure-ai-ml warns about its own marshmallow use at import
+        warnings.simplefilter("ignore")
+        import deepfleet.controller.backends.azureml  # noqa: F401
+    for key in ("AZURE_SUBSCRIPTION_ID", "AZURE_RESOURCE_GROUP", "AZUREML_WORKSPACE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(BackendError, match="azureml: set AZURE_SUBSCRIPTION_ID, AZURE_RESOURCE_GROUP"):
+        backends(Settings(data_dir=tmp_path, backends=["azureml"]), slots=1)
 
 
 def test_the_app_serves_the_web_page_and_has_a_reconciler_per_backend(tmp_path: Path) -> None:
