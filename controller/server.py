@@ -133,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("DEEPFLEET_LOG_LEVEL", "INFO").upper()  # set by the Helm chart
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = Settings.from_env(
             database_url=args.db, data_dir=args.data_dir, replica_id=args.replica_id,
