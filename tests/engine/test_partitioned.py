@@ -22,6 +22,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from deepfleet.engine.zero.layout import all_gather_params, build_buckets
 from tests.engine.partitioned_cases import (
     LR,
+    STAGES,
     build,
     global_batch,
     make_model,
@@ -31,6 +32,7 @@ from tests.engine.partitioned_cases import (
     reference_step,
     rows_err,
     step_err,
+    zero_config,
 )
 from tests.spawn import spawn
 
@@ -211,6 +213,39 @@ def _checkpoint(rank: int, world_size: int, kind: str, path: str, save: bool) ->
     return {"state": loaded, "fresh": fresh, "next": _step(model, strategy, optimizer, batch)}
 
 
+GROUPS_LR = 2e-3
+
+
+def _param_groups(model) -> list[dict]:
+    """Two groups with their own hyper-parameters; lin.bias is frozen (it rides along untouched)."""
+    return [
+        {"params": [model.b, model.c], "weight_decay": 0.0, "lr": GROUPS_LR},
+        {"params": [model.lin.weight, model.lin.bias, model.a, model.s]},
+    ]
+
+
+def _groups(rank: int, world_size: int, stage: int) -> dict:
+    model = make_model("odd")
+    model.lin.bias.requires_grad_(False)
+    strategy = STAGES[stage](model, compute_dtype=torch.float32, zero_config=zero_config(stage))
+    try:
+        strategy.optimizer_param_groups([{"params": [torch.zeros(3)]}])
+        foreign = ""
+    except ValueError as e:
+        foreign = str(e)
+    optimizer = torch.optim.AdamW(
+        strategy.optimizer_param_groups(_param_groups(model)), lr=LR, weight_decay=0.1
+    )
+    strategy.bind_optimizer(optimizer)
+    out = _step(
+        model, strategy, optimizer, rank_slice(global_batch("odd", MICRO * world_size), rank, world_size)
+    )
+    groups = strategy.state_dict()["optim"]["param_groups"]
+    out["groups"] = [(g["params"], g["lr"], g["weight_decay"]) for g in groups]
+    out["foreign"] = foreign
+    return out
+
+
 def _engine_batches(world_size: int) -> list[dict[str, torch.Tensor]]:
     """Two global batches of 2 micro-steps x MICRO samples per rank."""
     return [global_batch("gpt", 2 * MICRO * world_size, seed=10 + step) for step in range(2)]
@@ -261,6 +296,7 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
         else:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
+            out[f"groups{stage}"] = _groups(rank, world_size, stage)
     for kind in ("gpt", "odd"):
         out[f"checkpoint-{kind}"] = _checkpoint(rank, world_size, kind, f"{ckpt_dir}/{kind}", world_size == 2)
     return portable(out)
@@ -339,6 +375,24 @@ def test_engine_initialize_trains_like_one_process(runs: dict, stage: int) -> No
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
         for name, ref in ref_params.items():
             assert step_err(r["params"][name], ref, ref_grads[name], steps=2) <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_param_groups_keep_their_hyper_parameters_and_frozen_params_stay(runs: dict, stage: int) -> None:
+    model = make_model("odd")
+    model.lin.bias.requires_grad_(False)
+    frozen = model.lin.bias.detach().clone()
+    optimizer = torch.optim.AdamW(_param_groups(model), lr=LR, weight_decay=0.1)
+    model(global_batch("odd", MICRO * 2)).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    for r in (run[f"groups{stage}"] for run in runs[2]):
+        assert "param_groups[0].params" in r["foreign"] and "not a parameter of the model" in r["foreign"]
+        assert r["groups"] == [(["b", "c"], GROUPS_LR, 0.0), (["lin.weight", "a", "s"], LR, 0.1)]
+        assert torch.equal(torch.as_tensor(r["params"]["lin.bias"]), frozen)
+        for name, p in model.named_parameters():
+            if name in grads:
+                assert step_err(r["params"][name], p.detach(), grads[name]) <= 1e-5, name
 
 
 @pytest.mark.parametrize("stage", [1, 2])
