@@ -143,8 +143,8 @@ class LocalBackend:
         run.mkdir(parents=True, exist_ok=True)
         for stale in run.glob("node-*.exit"):
             stale.unlink()
-        state = {"name": sub.name, "job_id": sub.job_id, "attempt": sub.attempt, "nodes": nodes, "port": port,
-                 "pids": [], "complete": False}
+        state = {"name": sub.name, "job_id": sub.job_id, "attempt": sub.attempt, "nodes": nodes,
+                 "min_nodes": sub.worker_spec.nodes.min, "port": port, "pids": [], "complete": False}
         self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
         base = {**os.environ, **sub.env, SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)), RUN_ENV: sub.name}
         try:
@@ -178,8 +178,9 @@ class LocalBackend:
         self._write_state(sub.name, state)
 
     def observe(self, name: str) -> Observation:
-        """FAILED as soon as any node exits non-zero (classified by the earliest failure), SUCCEEDED
-        when every node exited 0, RUNNING otherwise."""
+        """FAILED as soon as fewer than `nodes.min` nodes remain (any non-zero exit of a fixed-size run;
+        classified by the earliest failure), SUCCEEDED when every remaining node exited 0, RUNNING
+        otherwise."""
         state = self._state(name)
         if state is None:
             return Observation(RunPhase.NOT_FOUND, message=f"no local run {name}")
@@ -201,12 +202,21 @@ class LocalBackend:
                 codes[node] = _SIGKILLED  # the wrapper itself was killed before it could record
                 failed_at[node] = 0.0
         bad = {n: c for n, c in codes.items() if c != 0}
+        remaining = state["nodes"] - len(bad)  # nodes still running or finished cleanly
         if bad:
             first = min(bad, key=lambda n: (failed_at[n], n))
             tail = "".join(self._tail(name, first, 50))
             fc = classify_exit(bad[first], log_tail=tail)
-            return Observation(RunPhase.FAILED, exit_codes=codes, failure_class=fc,
-                               message=f"node {first} exited {bad[first]} ({fc.value})")
+            lost = f"node {first} exited {bad[first]} ({fc.value})"
+            # An elastic run (nodes min < max) carries on while at least `min` nodes remain: torchrun's
+            # agents on the survivors re-form a smaller group and reshard from the checkpoint.
+            if remaining < state.get("min_nodes", state["nodes"]):
+                return Observation(RunPhase.FAILED, exit_codes=codes, failure_class=fc, message=lost)
+            if len(codes) < state["nodes"]:
+                return Observation(RunPhase.RUNNING, exit_codes=codes,
+                                   message=f"{lost}; continuing on {remaining} of {state['nodes']} nodes")
+            return Observation(RunPhase.SUCCEEDED, exit_codes=codes, failure_class=FailureClass.SUCCEEDED,
+                               message=f"{lost}; finished on {remaining} of {state['nodes']} nodes")
         if len(codes) == state["nodes"]:
             return Observation(RunPhase.SUCCEEDED, exit_codes=codes, failure_class=FailureClass.SUCCEEDED)
         return Observation(RunPhase.RUNNING, exit_codes=codes)

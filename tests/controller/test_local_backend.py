@@ -124,3 +124,17 @@ def test_a_start_cut_short_by_a_crash_is_not_found_and_restarts_cleanly(tmp_path
     restarted.cancel(sub.name)
     for proc in be._children.values():
         proc.wait(timeout=5)
+
+
+def test_an_elastic_run_carries_on_while_min_nodes_remain(tmp_path: Path) -> None:
+    be = backend(tmp_path)
+    sub = submission("elastic", ["--steps", "15", "--step-s", "0.1", "--fail-node", "1", "--fail-code", "137",
+                                 "--fail-at-step", "1"], nodes={"min": 1, "max": 2})
+    be.submit(sub)
+    deadline = time.monotonic() + 20
+    while 1 not in be.observe(sub.name).exit_codes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    obs = be.observe(sub.name)
+    assert obs.phase is RunPhase.RUNNING and "continuing on 1 of 2 nodes" in obs.message
+    obs = wait_for(be, sub.name, {RunPhase.SUCCEEDED, RunPhase.FAILED})
+    assert obs.phase is RunPhase.SUCCEEDED and obs.exit_codes == {0: 0, 1: 137}
