@@ -240,6 +240,12 @@ class Reconciler:
                observed: Observation | None, now: datetime) -> None:
         if action.kind is Kind.NOTHING:
             job.claim_expires_at = now + timedelta(seconds=self.config.lease_seconds)
+            if (attempt is not None and observed is not None and observed.phase is RunPhase.RUNNING
+                    and observed.message and observed.message != attempt.message):
+                # e.g. an elastic run lost a node and carries on smaller: no phase change, still news
+                attempt.message = observed.message
+                _event(s, job, "Degraded", observed.message, now, actor=self.config.replica_id,
+                       data={"exit_codes": observed.exit_codes})
             return
         if action.kind is Kind.SUBMIT:
             self._submit(s, job, attempt, action, now)

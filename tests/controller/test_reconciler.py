@@ -192,3 +192,14 @@ def test_a_spec_that_cannot_compile_fails_the_job_with_the_field(tmp_path: Path)
     final = drive(rec, sessions, job_id, {"FAILED", "SUCCEEDED"})
     assert final.phase == "FAILED" and final.message.startswith("spec.entrypoint.args[0]: 'steps' is not key=value")
     assert events(sessions, job_id)[-1] == "InvalidSpec"
+
+
+def test_an_elastic_job_that_loses_a_node_carries_on_and_says_so(tmp_path: Path) -> None:
+    sessions = sqlite(tmp_path)
+    rec = reconciler(sessions, tmp_path)
+    doc = job_document("elastic", args=["--steps", "12", "--step-s", "0.1", "--fail-node", "1", "--fail-code", "137",
+                                        "--fail-at-step", "2"], nodes={"min": 1, "max": 2})
+    job_id = insert_job(sessions, doc)
+    final = drive(rec, sessions, job_id, {"SUCCEEDED", "FAILED"})
+    assert final.phase == "SUCCEEDED" and final.current_attempt == 0
+    assert "Degraded" in events(sessions, job_id)
