@@ -283,6 +283,39 @@ def _through_engine(rank: int, world_size: int, stage: int) -> dict:
     }
 
 
+def _fp16(rank: int, world_size: int, stage: int) -> dict:
+    """fp16 through the engine: an inf injected into one rank's gradient (before the reduction, so
+    at stage 2 too, where full gradients are freed during backward) skips the step on every rank."""
+    import deepfleet.engine as deepfleet
+
+    model = make_model("gpt")
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+    }
+    engine, *_ = deepfleet.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config,
+        optimizer=lambda groups: torch.optim.AdamW(groups, lr=LR),
+    )
+    poison = [False]
+    if rank == world_size - 1:
+        model.gpt.head.weight.register_hook(lambda g: g.fill_(float("inf")) if poison[0] else g)
+    trace = []
+    for step, overflow in enumerate([True, False, False]):
+        poison[0] = overflow
+        before = [p.detach().clone() for p in model.parameters()]
+        engine.backward(
+            engine(rank_slice(global_batch("gpt", MICRO * world_size, seed=20 + step), rank, world_size))
+        )
+        engine.step()
+        changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+        trace.append({"changed": changed, "scale": float(engine.loss_scale), "skipped": engine.skipped_steps})
+    return {"trace": trace, "dtype": str(model.gpt.head.weight.dtype)}
+
+
 def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
     out: dict = {"layout": _layout_round_trip(rank, world_size)}
     for stage in (1, 2):
@@ -297,6 +330,7 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
             out[f"groups{stage}"] = _groups(rank, world_size, stage)
+            out[f"fp16-{stage}"] = _fp16(rank, world_size, stage)
     for kind in ("gpt", "odd"):
         out[f"checkpoint-{kind}"] = _checkpoint(rank, world_size, kind, f"{ckpt_dir}/{kind}", world_size == 2)
     return portable(out)
@@ -393,6 +427,15 @@ def test_param_groups_keep_their_hyper_parameters_and_frozen_params_stay(runs: d
         for name, p in model.named_parameters():
             if name in grads:
                 assert step_err(r["params"][name], p.detach(), grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(runs: dict, stage: int) -> None:
+    for r in (run[f"fp16-{stage}"] for run in runs[2]):
+        assert r["dtype"] == "torch.float16"
+        assert [t["changed"] for t in r["trace"]] == [False, True, True]
+        assert [t["skipped"] for t in r["trace"]] == [1, 1, 1]
+        assert r["trace"][0]["scale"] < 2**8  # the overflow lowered the loss scale
 
 
 @pytest.mark.parametrize("stage", [1, 2])
