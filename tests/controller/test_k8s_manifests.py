@@ -4,6 +4,7 @@ rendezvous relies on, and golden files (regenerate with DEEPFLEET_UPDATE_GOLDEN=
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -121,6 +122,11 @@ def test_namespace_from_the_spec_wins_over_the_backend_default() -> None:
 
 def test_golden_files() -> None:
     job, svc = _objects()
+    # The WorkerSpec's own fields belong to the worker's contract; the manifest only carries it (checked above).
+    for var in job["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if var["name"] == "DEEPFLEET_WORKER_SPEC":
+            assert json.loads(var["value"]) == json.loads(example_submission("kubernetes").env["DEEPFLEET_WORKER_SPEC"])
+            var["value"] = "<the WorkerSpec as JSON>"
     for name, obj in (("k8s-job.yaml", job), ("k8s-service.yaml", svc)):
         text = yaml.safe_dump(obj, sort_keys=True, width=100)
         path = GOLDEN / name
