@@ -17,7 +17,9 @@ Failure ladder (exit codes from `deepfleet.worker.spec`, classified by `classify
 - 64 invalid spec/config: fail, never retry (the same spec would fail again);
 - 65 user code raised: restart only when `restartPolicy` allows user-error retries;
 - 77 out of memory: fail without a blind retry; the event says what to change;
-- 76 communication failure and 128+N signals (node loss): restart while budget remains.
+- 76 communication failure and 128+N signals (node loss): restart while budget remains;
+- a RUNNING attempt that sent heartbeats and then fell silent for `hang_after` is treated as hung
+  (a communication failure): restarted while budget remains.
 Each restart is a new attempt (a new deterministic backend name) after an exponential backoff,
 and resumes from the latest complete checkpoint (the worker finds it; the event names it).
 """
@@ -25,7 +27,7 @@ and resumes from the latest complete checkpoint (the worker finds it; the event 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from deepfleet.controller.backends.base import Observation, RunPhase
@@ -116,6 +118,8 @@ class JobState:
     submitted: bool = False  # a submit intent is recorded for the current attempt
     not_before: datetime | None = None  # RESTARTING: earliest time to submit the next attempt
     last_checkpoint: str | None = None  # latest complete checkpoint reported by heartbeats
+    last_heartbeat_at: datetime | None = None  # newest heartbeat of the current attempt (None: none yet)
+    hang_after: timedelta | None = None  # silence after a first heartbeat that counts as a hang; None: off
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ class Action:
     message: str = ""
     counts: bool = False  # RESTART: counts against the restart budget
     not_before: datetime | None = None  # RESTART: when the next attempt may be submitted
-    extra: dict[str, object] = field(default_factory=dict)
+    failure: FailureClass | None = None  # RESTART/FAIL: the class the decision was made on
 
 
 NOTHING = Action(Kind.NOTHING)
@@ -170,6 +174,11 @@ def _react(job: JobState, observed: Observation, now: datetime) -> Action:
         return NOTHING
     if phase is RunPhase.RUNNING:
         if job.phase is Phase.RUNNING:
+            silent = now - job.last_heartbeat_at if job.last_heartbeat_at is not None else None
+            if job.hang_after is not None and silent is not None and silent > job.hang_after:
+                # It did send heartbeats, then went quiet: a hung collective or a wedged process.
+                detail = f"no heartbeat for {silent.total_seconds():.0f}s (limit {job.hang_after.total_seconds():g}s)"
+                return _failed(job, FailureClass.COMM_FAILURE, f"{detail}; presumed hung", now)
             return NOTHING
         return Action(Kind.MARK, Phase.RUNNING, reason="Running", message=f"attempt {job.attempt} running")
     if phase is RunPhase.SUCCEEDED:
@@ -187,9 +196,10 @@ def _react(job: JobState, observed: Observation, now: datetime) -> Action:
 def _failed(job: JobState, fc: FailureClass | None, detail: str, now: datetime) -> Action:
     label = fc.value if fc is not None else "unknown"
     if fc is FailureClass.INVALID_SPEC:
-        return Action(Kind.FAIL, Phase.FAILED, reason="InvalidSpec", message=f"invalid spec, not retried: {detail}")
+        return Action(Kind.FAIL, Phase.FAILED, reason="InvalidSpec", message=f"invalid spec, not retried: {detail}",
+                      failure=fc)
     if fc is FailureClass.OOM:
-        return Action(Kind.FAIL, Phase.FAILED, reason="OutOfMemory", message=f"{OOM_ADVICE} ({detail})")
+        return Action(Kind.FAIL, Phase.FAILED, reason="OutOfMemory", message=f"{OOM_ADVICE} ({detail})", failure=fc)
     if fc is FailureClass.USER_ERROR and not job.retry_user_errors:
         return Action(
             Kind.FAIL,
@@ -197,6 +207,7 @@ def _failed(job: JobState, fc: FailureClass | None, detail: str, now: datetime) 
             reason="UserError",
             message=f"the training code raised, not retried (the restart policy does not retry user errors): "
             f"{detail}; fix the code and resubmit",
+            failure=fc,
         )
     counts = fc is not FailureClass.PREEMPTED
     if counts and job.restarts >= job.max_restarts:
@@ -205,6 +216,7 @@ def _failed(job: JobState, fc: FailureClass | None, detail: str, now: datetime) 
             Phase.FAILED,
             reason="RestartBudgetExhausted",
             message=f"{label}: {detail}; {job.restarts}/{job.max_restarts} restarts used",
+            failure=fc,
         )
     wait = backoff(job)
     resume = f", resuming from {job.last_checkpoint}" if job.last_checkpoint else ""
@@ -215,4 +227,5 @@ def _failed(job: JobState, fc: FailureClass | None, detail: str, now: datetime) 
         message=f"{label}: {detail}; attempt {job.attempt + 1} in {wait.total_seconds():g}s{resume}",
         counts=counts,
         not_before=now + wait,
+        failure=fc,
     )

@@ -64,6 +64,7 @@ class ReconcilerConfig:
     aging_s: float = 600.0
     batch: int = 100  # jobs claimed per pass
     heartbeat_interval_s: float | None = None
+    hang_timeout_s: float | None = 1800.0  # heartbeat silence (after a first one) that counts as a hang
 
 
 class Reconciler:
@@ -194,7 +195,7 @@ class Reconciler:
                 except BackendError as e:
                     log.warning("observe %s failed: %s", attempt.run_name, e)
                     return
-            state = self._state(job, attempt)
+            state = self._state(job, attempt, hang_timeout_s=self.config.hang_timeout_s)
             action = lifecycle.decide(state, observed, now)
             try:
                 self._apply(s, job, attempt, action, observed, now)
@@ -220,7 +221,7 @@ class Reconciler:
         ).one_or_none()
 
     @staticmethod
-    def _state(job: Job, attempt: Attempt | None) -> JobState:
+    def _state(job: Job, attempt: Attempt | None, *, hang_timeout_s: float | None = None) -> JobState:
         policy = job.spec.get("spec", {}).get("restartPolicy", {})
         counted = sum(n for fc, n in (job.restart_counts or {}).items() if fc != FailureClass.PREEMPTED.value)
         return JobState(
@@ -234,6 +235,8 @@ class Reconciler:
             submitted=attempt is not None,
             not_before=job.not_before,
             last_checkpoint=(job.last_heartbeat or {}).get("last_complete_checkpoint"),
+            last_heartbeat_at=_attempt_heartbeat(job, attempt),
+            hang_after=timedelta(seconds=hang_timeout_s) if hang_timeout_s else None,
         )
 
     def _apply(self, s: Session, job: Job, attempt: Attempt | None, action: Action,
@@ -257,7 +260,7 @@ class Reconciler:
             if attempt.finished_at is None:
                 attempt.finished_at = now
         if action.kind is Kind.RESTART:
-            fc = (observed.failure_class if observed and observed.failure_class else FailureClass.UNKNOWN).value
+            fc = (action.failure or FailureClass.UNKNOWN).value
             counts = dict(job.restart_counts or {})
             counts[fc] = counts.get(fc, 0) + 1
             job.restart_counts = counts
@@ -297,6 +300,13 @@ class Reconciler:
         if phase.is_terminal():
             job.finished_at = now
         _event(s, job, reason, message, now, actor=self.config.replica_id, data=data)
+
+
+def _attempt_heartbeat(job: Job, attempt: Attempt | None) -> datetime | None:
+    """The newest heartbeat time if it belongs to the current attempt (sent after it was submitted)."""
+    if attempt is None or job.last_heartbeat_at is None or attempt.submitted_at is None:
+        return None
+    return job.last_heartbeat_at if job.last_heartbeat_at >= attempt.submitted_at else None
 
 
 def _record_observation(attempt: Attempt, observed: Observation, now: datetime) -> None:

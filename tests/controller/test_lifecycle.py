@@ -134,3 +134,17 @@ def test_unknown_failure_class_is_retried_within_budget() -> None:
     obs = Observation(RunPhase.FAILED, exit_codes={}, failure_class=None, message="lost")
     assert decide(RUNNING, obs, NOW).kind is Kind.RESTART
     assert FailureClass.UNKNOWN.value == "unknown"
+
+
+@pytest.mark.parametrize(
+    ("silent_s", "kind"),
+    [(None, Kind.NOTHING), (59, Kind.NOTHING), (61, Kind.RESTART)],
+)
+def test_a_running_attempt_that_falls_silent_is_restarted_as_hung(silent_s: int | None, kind: Kind) -> None:
+    last = None if silent_s is None else NOW - timedelta(seconds=silent_s)
+    job = replace(RUNNING, last_heartbeat_at=last, hang_after=timedelta(seconds=60))
+    action = decide(job, Observation(RunPhase.RUNNING), NOW)
+    assert action.kind is kind
+    if kind is Kind.RESTART:
+        assert action.counts and "no heartbeat for 61s (limit 60s); presumed hung" in action.message
+    assert decide(replace(job, hang_after=None), Observation(RunPhase.RUNNING), NOW).kind is Kind.NOTHING

@@ -203,3 +203,23 @@ def test_an_elastic_job_that_loses_a_node_carries_on_and_says_so(tmp_path: Path)
     final = drive(rec, sessions, job_id, {"SUCCEEDED", "FAILED"})
     assert final.phase == "SUCCEEDED" and final.current_attempt == 0
     assert "Degraded" in events(sessions, job_id)
+
+
+def test_a_job_whose_heartbeats_stop_is_restarted_as_hung(tmp_path: Path) -> None:
+    sessions = sqlite(tmp_path)
+    rec = reconciler(sessions, tmp_path)
+    job_id = insert_job(sessions, job_document("hang", args=["--steps", "1000", "--step-s", "0.1"], nodes=1))
+    t0 = datetime.now(timezone.utc)
+    drive(rec, sessions, job_id, {"RUNNING"}, now=lambda: t0)
+    with sessions() as s, s.begin():  # what the API records when rank 0 posts a heartbeat
+        s.get(Job, job_id).last_heartbeat_at = t0 + timedelta(seconds=1)
+    rec.reconcile_once(t0 + timedelta(seconds=1000))
+    assert job(sessions, job_id).phase == "RUNNING"
+    rec.reconcile_once(t0 + timedelta(seconds=1802))
+    hung = job(sessions, job_id)
+    assert hung.phase == "RESTARTING" and hung.restart_counts == {"comm_failure": 1}
+    assert "presumed hung" in hung.message
+    assert _marked(f"df-hang-{job_id[:8]}-a0") == []
+    with sessions() as s, s.begin():
+        s.get(Job, job_id).desired_state = "cancel_requested"
+    drive(rec, sessions, job_id, {"CANCELLED"}, now=lambda: t0 + timedelta(seconds=1900))
