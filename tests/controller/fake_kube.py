@@ -153,7 +153,8 @@ class FakeKubeAPI:
 
     # ------------------------------------------------------------------ test helpers
     def fail_next(self, method: str, path_pattern: str, status: int, *, times: int = 1) -> None:
-        """The next `times` requests matching `method` and the regex `path_pattern` get `status`."""
+        """The next `times` requests matching `method` and the regex `path_pattern` (searched in the path
+        with its query string) get `status`."""
         self._faults.append((method, re.compile(path_pattern), status, times))
 
     def compact(self) -> None:
@@ -311,7 +312,7 @@ class FakeKubeAPI:
         with self.lock:
             self.requests.append(Recorded(h.command, url.path, query, {k.lower(): v for k, v in h.headers.items()}, body))
             for i, (method, pattern, status, times) in enumerate(self._faults):
-                if method == h.command and pattern.search(url.path):
+                if method == h.command and pattern.search(h.path):
                     self._faults[i] = (method, pattern, status, times - 1)
                     if times <= 1:
                         del self._faults[i]

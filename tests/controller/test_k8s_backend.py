@@ -197,6 +197,25 @@ def test_watcher_resumes_from_its_resource_version(fake, backend) -> None:
     assert w.relists == 1 and {p["status"]["phase"] for p in w.pods_of(sub.name, run_label=names.RUN)} == {"Running"}
 
 
+def test_a_failing_watch_falls_back_to_listing(fake, backend) -> None:
+    sub = example_submission("kubernetes")
+    backend.submit(sub)
+    watcher = backend.watcher(NS)
+    assert watcher.synced.wait(5)
+    watcher.backoff_s = 30  # stay unsynced for the rest of the test
+    fake.fail_next("GET", r"/pods\?.*watch=", 403)
+    with fake.lock:  # end the open watch: the next one is refused
+        fake.compact()
+    deadline = time.monotonic() + 5
+    while watcher.synced.is_set() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not watcher.synced.is_set()
+    fake.set_all_pods(NS, sub.name, "Running")
+    lists = len(fake.calls("GET", "/pods"))
+    assert backend.observe(sub.name).phase is RunPhase.RUNNING  # from a direct list, not the stale cache
+    assert len(fake.calls("GET", "/pods")) == lists + 1
+
+
 def test_logs_per_node(fake, backend) -> None:
     sub = example_submission("kubernetes")
     backend.submit(sub)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, watch
@@ -28,7 +27,7 @@ class PodWatcher:
     """Keeps `pods` (name -> raw pod dict) current for pods matching `selector` in `namespace`."""
 
     def __init__(self, core: client.CoreV1Api, namespace: str, *, selector: str, timeout_s: int = 30,
-                 backoff_s: float = 1.0, sleep: Callable[[float], bool] | None = None) -> None:
+                 backoff_s: float = 1.0) -> None:
         self.core = core
         self.namespace = namespace
         self.selector = selector
@@ -71,6 +70,8 @@ class PodWatcher:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        """The watch loop: a named best-effort loop, so any error is logged and answered by a relist;
+        while the cache is not rebuilt, `synced` is clear and readers fall back to a direct list."""
         while not self._stop.is_set():
             try:
                 if self.resource_version is None:
@@ -89,8 +90,12 @@ class PodWatcher:
                     return
                 log.warning("pod watch in %s lost its connection (%s); relisting", self.namespace, e)
                 self._backoff()
+            except Exception:
+                log.exception("pod watch in %s failed; relisting", self.namespace)
+                self._backoff()
 
     def _backoff(self) -> None:
+        self.synced.clear()
         self.resource_version = None
         self._stop.wait(self.backoff_s)
 
