@@ -89,4 +89,9 @@ def build_dataloader(
 ) -> TrainingDataLoader:
     """The loader over `dataset` for this data-parallel rank."""
     sampler = ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, seed=seed)
-    return TrainingDataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+    # An own generator: without it every new iterator draws its base seed from the global torch RNG, so
+    # a resumed run (which opens one iterator more) would shift the model's random stream (dropout).
+    generator = torch.Generator().manual_seed(seed)
+    return TrainingDataLoader(
+        dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn, generator=generator
+    )

@@ -145,11 +145,6 @@ def test_async_save_equals_sync_save(with_dropout, tmp_path: Path) -> None:
     assert spawn(_resumed, 2, str(tmp_path), 2, 0.1)[0]["losses"] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/dataloader.py builds its DataLoader without generator=, so each new iterator draws "
-    "from the global RNG and shifts dropout after a resume; pass a seeded torch.Generator there",
-)
 def test_resume_with_the_engines_own_loader_keeps_rng(tmp_path: Path) -> None:
     expected = spawn(_uninterrupted, 2, str(tmp_path), 3, 0.1, False)[0]
     assert spawn(_resumed, 2, str(tmp_path), 3, 0.1, False)[0]["losses"] == pytest.approx(expected, rel=1e-5)
