@@ -11,13 +11,15 @@ between world sizes and between stages 1, 2 and 3).
 
 Memory per rank, P parameters, N ranks, fp32 training (the optimizer's tensors are views of this rank's
 rows of each parameter, so no master copy): stage 1 holds 4P params + 4P full grads + 8P/N Adam state;
-stage 2 holds 4P params + 4P/N gradient shards + 8P/N Adam state (full gradients exist only transiently,
-during backward, until their bucket is reduced). In 16-bit training the model is cast to the compute
-dtype and fp32 master shards (4P/N) are what the optimizer updates; gradients are reduced in fp32.
+stage 2 holds 4P params + 4P/N gradient shards + 8P/N Adam state between steps (full gradients exist
+while micro-steps accumulate, and on the boundary micro-step only until their bucket is packed). In
+16-bit training the model is cast to the compute dtype and fp32 master shards (4P/N) are what the
+optimizer updates; gradients are reduced in fp32 (gloo would sum bf16 in bf16).
 
 Step protocol, per optimizer step:
   stage 1: micro-steps accumulate full `p.grad` with no communication; `finish_gradients` reduce-scatters
-           bucket by bucket into this rank's rows.
+           bucket by bucket into this rank's rows (with `overlap_comm`, packing the next bucket while
+           the previous one is in flight).
   stage 2: non-boundary micro-steps accumulate `p.grad` with no communication; on the boundary micro-step
            a post-accumulate-grad hook packs each final gradient into its bucket's flat buffer and frees
            `p.grad`; a full bucket launches an (async with `overlap_comm`) reduce-scatter into the
@@ -25,6 +27,13 @@ Step protocol, per optimizer step:
            collective sequence; `finish_gradients` flushes buckets whose parameters got no gradient.
   both:    average over ranks and unscale (one division: no PREMUL_SUM on gloo), agree on inf/nan,
            clip on the shards, step, then `after_optimizer_step` all-gathers the updated rows.
+A parameter that got no gradient is reduced as zeros (as DDP and DeepSpeed do), so weight decay still
+applies to it.
+
+State dicts: model entries are full replicated tensors keyed by FQN (in 16-bit mode the trainable ones
+are the fp32 masters as Shard(0) DTensors); optimizer state is keyed by FQN, per-element entries as
+Shard(0) DTensors of the parameter's shape, `step` plain. A 0-dim parameter's state is plain (its
+owner, group rank 0, broadcasts it).
 """
 
 from __future__ import annotations
