@@ -215,7 +215,9 @@ class AzureMLBackend:
         if job is None or PHASES.get(_status(job)) in (RunPhase.SUCCEEDED, RunPhase.FAILED):
             return
         try:
-            self.ml_client.jobs.begin_cancel(name).wait()
+            # The cancel POST is the one call; Azure then moves the job CancelRequested -> Canceled on its own
+            # (observe reports it), so the long-running-operation poller is not waited on.
+            self.ml_client.jobs.begin_cancel(name)
         except ResourceNotFoundError:
             return
         except (AzureError, MlException) as e:
