@@ -72,10 +72,6 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
             from deepfleet.controller.backends.azureml import from_env
 
             out.append((from_env(os.environ), UNLIMITED))
-        elif name == "azureml":
-            from deepfleet.controller.backends.azureml import from_env
-
-            out.append((from_env(os.environ), UNLIMITED))
     return out
 
 
