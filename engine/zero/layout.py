@@ -137,7 +137,7 @@ class Bucket:
         if full is None:
             dst.zero_()
             return
-        src = as_rows(full, slot)  # (d, row_numel)
+        src = full.reshape(slot.rows, slot.row_numel)  # (d, row_numel); a copy only if not contiguous
         c = slot.rows_per_rank
         n_full, rem = divmod(slot.rows, c)
         dst[:n_full].copy_(src[: n_full * c].view(n_full, c, slot.row_numel))

@@ -88,3 +88,14 @@ def test_buckets_follow_reverse_order_size_and_dtype() -> None:
     # offsets are contiguous, padded shards
     ba = buckets[-1]
     assert [s.offset for s in ba.slots] == [0, 8] and ba.segment_numel == 16 and ba.flat_numel == 32
+
+
+def test_pack_accepts_a_non_contiguous_gradient() -> None:
+    grad = torch.randn(3, 5).t()  # (5, 3), transposed strides, as a user's grad hook may return
+    assert not grad.is_contiguous()
+    bucket = Bucket([("b", torch.zeros(5, 3))], world_size=2, rank=0)
+    flat = torch.empty(bucket.flat_numel)
+    bucket.pack(flat, 0, grad)
+    out = torch.empty(5, 3)
+    bucket.unpack(flat, 0, out)
+    assert torch.equal(out, grad)
