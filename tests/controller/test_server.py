@@ -28,7 +28,7 @@ def test_one_backend_per_enabled_name_with_its_capacity(tmp_path: Path, monkeypa
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("DEEPFLEET_K8S_NAMESPACE", "jobs")
-    settings = Settings(data_dir=tmp_path, backends=["local", "kubernetes"])
+    settings = Settings.from_env(data_dir=tmp_path, backends=["local", "kubernetes"])
     made = backends(settings, slots=3)
     assert [(b.name, cap) for b, cap in made] == [("local", Limit(processes=3)), ("kubernetes", UNLIMITED)]
     assert made[1][0].namespace == "jobs"
