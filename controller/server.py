@@ -66,8 +66,7 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
         elif name == "kubernetes":
             from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, connect
 
-            namespace = os.environ.get("DEEPFLEET_K8S_NAMESPACE", "default")
-            out.append((KubernetesBackend(connect(), namespace=namespace), UNLIMITED))
+            out.append((KubernetesBackend(connect(), namespace=settings.k8s_namespace), UNLIMITED))
         elif name == "azureml":
             from deepfleet.controller.backends.azureml import from_env
 

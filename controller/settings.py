@@ -51,6 +51,8 @@ class Settings(BaseModel):
     """Where backends write `<logs_dir>/<run name>/node-<i>.log`; None: <data_dir>/logs."""
     backends: list[Literal["local", "kubernetes", "azureml"]] = ["local"]
     """Backends this controller runs (env: comma-separated); a job naming another is refused at submission."""
+    k8s_namespace: str = Field("default", max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Namespace the Kubernetes backend runs jobs in (a job's `spec.kubernetes.namespace` overrides it)."""
     max_request_bytes: int = Field(1_048_576, ge=1024)
     """Largest request body accepted; bigger bodies get 413."""
     token_ttl_days: float | None = Field(90.0, gt=0)
