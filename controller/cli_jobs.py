@@ -184,8 +184,12 @@ def register(app: typer.Typer) -> None:
         """Print a job's log (one node of one attempt)."""
         with _client(url, token) as client:
             if follow:
-                _call(lambda: [typer.echo(chunk, nl=False) for chunk in
-                               client.follow_logs(job_id, node=node, tail=tail, attempt=attempt)])
+
+                def stream() -> None:
+                    for chunk in client.follow_logs(job_id, node=node, tail=tail, attempt=attempt):
+                        typer.echo(chunk, nl=False)
+
+                _call(stream)
             else:
                 typer.echo(_call(client.logs, job_id, node=node, tail=tail, attempt=attempt), nl=False)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import or_, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from deepfleet.controller import lifecycle, scheduler
@@ -108,11 +109,12 @@ class Reconciler:
                 return True
             if s.get(Lease, name) is not None:
                 return False
-            s.add(Lease(name=name, holder=me, expires_at=until, renewed_at=now))
-        # Two replicas inserting at once: the primary key makes one insert fail; that one is not the holder.
-        with self.sessions() as s:
-            lease = s.get(Lease, name)
-            return lease is not None and lease.holder == me
+        try:
+            with self.sessions() as s, s.begin():
+                s.add(Lease(name=name, holder=me, expires_at=until, renewed_at=now))
+        except IntegrityError:
+            return False  # another replica created the lease first: it holds it
+        return True
 
     def _claimable(self, now: datetime):  # noqa: ANN202 - a SQLAlchemy boolean clause
         me = self.config.replica_id

@@ -223,3 +223,14 @@ def test_a_job_whose_heartbeats_stop_is_restarted_as_hung(tmp_path: Path) -> Non
     with sessions() as s, s.begin():
         s.get(Job, job_id).desired_state = "cancel_requested"
     drive(rec, sessions, job_id, {"CANCELLED"}, now=lambda: t0 + timedelta(seconds=1900))
+
+
+def test_one_scheduler_lease_holder_at_a_time(tmp_path: Path) -> None:
+    sessions = sqlite(tmp_path)
+    a, b = reconciler(sessions, tmp_path, replica="a", lease_seconds=10), reconciler(sessions, tmp_path, replica="b")
+    t0 = datetime.now(timezone.utc)
+    assert a._hold_lease("scheduler-local", t0) and not b._hold_lease("scheduler-local", t0)
+    assert a._hold_lease("scheduler-local", t0 + timedelta(seconds=5))  # renewed by its holder
+    assert not b._hold_lease("scheduler-local", t0 + timedelta(seconds=14))
+    assert b._hold_lease("scheduler-local", t0 + timedelta(seconds=16))  # expired: taken over
+    assert not a._hold_lease("scheduler-local", t0 + timedelta(seconds=17))
