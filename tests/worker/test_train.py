@@ -103,9 +103,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """An uninterrupted run; its heartbeats go to a real HTTP endpoint."""
     base = tmp_path_factory.mktemp("ref")
     with running_sink() as sink:
-        spec = _spec(base / "ckpt", heartbeat={"url": sink.url("/hb"), "token": "t0k", "interval_s": 0.05})
+        spec = _spec(base / "ckpt", heartbeat={"url": sink.url("/hb"), "token": "t0k", "interval_s": 0.05},
+                     checkpoint={"dir": str(base / "ckpt"), "every_steps": 2, "keep_last": 2})
         code, log = _run(spec)
         assert code == 0, log
+        kept = sorted(p.name for p in (base / "ckpt").iterdir() if p.is_dir())
+        assert kept == [f"global_step{MAX_STEPS - 2}", f"global_step{MAX_STEPS}"], kept  # keep_last
         beats = sink.bodies("/hb")
         auth = {a for _, a, _ in sink.received}
     return {"weights": _weights(base / "ckpt", f"global_step{MAX_STEPS}", base), "beats": beats, "auth": auth}
@@ -187,10 +190,11 @@ def test_failing_factory_exits_65_and_reports(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_lost_node_shrinks_the_group_and_resumes_at_the_smaller_world_size(tmp_path: Path) -> None:
+def test_lost_node_shrinks_the_group_and_resumes_at_the_smaller_world_size(reference: dict, tmp_path: Path) -> None:
     """Two workers (nodes 1:2, one process each); node 1's worker is SIGKILLed with its training
     process (a node loss). Node 0's agent restarts, the rendezvous closes with one node, and training
-    resumes at world size 1 from the checkpoint written at world size 2."""
+    resumes at world size 1 from the checkpoint written at world size 2 (the config fixes the global
+    batch: gradient accumulation doubles at world size 1)."""
     port = free_port()
     spec = _spec(tmp_path / "ckpt", sleep_s=0.3, every=1, processes_per_node=1, nodes={"min": 1, "max": 2},
                  rendezvous={"port": port, "last_call_timeout_s": 2, "join_timeout_s": 60,
@@ -236,5 +240,6 @@ def test_lost_node_shrinks_the_group_and_resumes_at_the_smaller_world_size(tmp_p
     assert resumed and int(resumed.group(1)) >= 3, log
     manifest = json.loads((tmp_path / "ckpt" / f"global_step{MAX_STEPS}" / "manifest.json").read_text())
     assert manifest["world_size"] == 1
+    assert _weights(tmp_path / "ckpt", f"global_step{MAX_STEPS}", tmp_path).keys() == reference["weights"].keys()
     first = min(float(t) for t in re.findall(r"step \d+/\d+ loss [\d.]+ restart 1 t=([\d.]+)", log))
     print(json.dumps({"metric": "node_loss_to_first_step_at_ws1_s", "value": round(first - killed[0], 2)}))
