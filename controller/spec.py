@@ -218,6 +218,9 @@ class KubernetesOptions(_Section):
     """Kueue LocalQueue name; when set, admission is left to Kueue."""
     termination_grace_period_seconds: Annotated[int | None, Field(ge=0)] = None
     """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
+    checkpoint_claim: Annotated[str | None, Field(max_length=253, pattern=DNS_LABEL)] = None
+    """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod, so every attempt
+    writes to and resumes from the same checkpoints."""
 
 
 class AzureMLOptions(_Section):
@@ -284,6 +287,10 @@ class TrainingSpec(_Section):
         if self.azureml is not None and self.backend != "azureml":
             problems.append("azureml: only applies to backend azureml; remove spec.azureml "
                             "or set spec.backend: azureml")
+        if self.kubernetes is not None and self.kubernetes.checkpoint_claim:
+            if self.checkpoint is None or not self.checkpoint.dir.startswith("/"):
+                problems.append("kubernetes.checkpointClaim: mounts at checkpoint.dir, which must be an absolute "
+                                "path; set checkpoint: {dir: /checkpoints/<job>} or drop checkpointClaim")
         if self.backend == "azureml" and self.azureml is None:
             problems.append("azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
         if problems:

@@ -134,3 +134,20 @@ def test_golden_files() -> None:
             path.write_text(text)
         assert path.exists(), f"{path} missing; run with DEEPFLEET_UPDATE_GOLDEN=1 to create it"
         assert text == path.read_text(), f"{name} changed; review and regenerate with DEEPFLEET_UPDATE_GOLDEN=1"
+
+
+def test_checkpoint_claim_is_mounted_at_the_checkpoint_dir_in_every_pod() -> None:
+    job, _ = _objects(kubernetes={"checkpointClaim": "gpt-ckpt"}, checkpoint={"dir": "/checkpoints/gpt", "everySteps": 10})
+    pod = job["spec"]["template"]["spec"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "gpt-ckpt"}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt"} in mounts
+    for version in VERSIONS:
+        kubernetes_validate.validate(job, version, strict=True)
+
+
+def test_checkpoint_claim_needs_an_absolute_checkpoint_dir() -> None:
+    from deepfleet.controller.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"kubernetes\.checkpointClaim: .*absolute"):
+        example_submission("kubernetes", kubernetes={"checkpointClaim": "c"}, checkpoint={"dir": "runs/x"})

@@ -114,6 +114,11 @@ def _pod_spec(sub: Submission, *, nodes: int) -> dict[str, Any]:
     shm: dict[str, Any] = {"medium": "Memory"}
     if opts.shm_size:
         shm["sizeLimit"] = opts.shm_size
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": shm}]
+    if opts.checkpoint_claim and sub.spec.spec.checkpoint is not None:
+        # Every attempt's pods mount the same claim, so a new attempt resumes from the latest checkpoint.
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": opts.checkpoint_claim}})
+        container["volumeMounts"].append({"name": "checkpoints", "mountPath": sub.spec.spec.checkpoint.dir})
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": sub.name,
@@ -121,7 +126,7 @@ def _pod_spec(sub: Submission, *, nodes: int) -> dict[str, Any]:
                                           if opts.termination_grace_period_seconds is not None
                                           else DEFAULT_GRACE_SECONDS),
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": shm}],
+        "volumes": volumes,
     }
     selector = dict(opts.node_selector)
     if sub.spec.spec.resources.gpu_type:
