@@ -8,6 +8,9 @@ exit code). Built on `torch.distributed.launcher.api.elastic_launch` (torchrun's
 rendezvous, `--nnodes MIN:MAX`, in-place group restarts); what is ours is the environment contract
 and the exit-code mapping, which torchrun does not have (it exits 1 for any failure).
 
+Node 0 hosts the c10d rendezvous store, so the group survives the loss of any node but that one
+(then the attempt fails with COMM_FAILURE and the controller starts a new one).
+
 Always sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch's default (workers reuse the agent's
 rendezvous TCPStore) a restarted group fails or hangs in init_process_group on this torch version
 (pytorch#135712); with it, restarts recover.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,6 +29,7 @@ import threading
 import traceback
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import FrameType
 
 from deepfleet.worker.rendezvous import Rendezvous, RendezvousEnvError, resolve
 from deepfleet.worker.signals import MARKER_ENV
@@ -168,6 +173,12 @@ def _watch_notice_file(path: str, stop: threading.Event, *, interval_s: float = 
             return
 
 
+def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+
 def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
     """Run this node's share of the job to the end; return the worker exit code."""
     environ = os.environ if environ is None else environ
@@ -193,6 +204,10 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
     marker = workdir / "preempted"
     os.environ.update(child_environment(spec, marker=marker, cpu=not torch.cuda.is_available()))
     stop = threading.Event()
+    # Until torch's agent installs its own handlers (when the processes start), SIGTERM during the
+    # rendezvous would kill this process outright; make it the same exception torch raises.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_signal_exception)
     if spec.preemption.notice_file:
         threading.Thread(target=_watch_notice_file, args=(spec.preemption.notice_file, stop),
                          name="deepfleet-notice", daemon=True).start()
@@ -217,6 +232,7 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
         return int(ExitCode.COMM_FAILURE)
     finally:
         stop.set()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- process side

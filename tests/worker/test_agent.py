@@ -207,3 +207,19 @@ def test_missing_script_is_an_invalid_spec(tmp_path: Path) -> None:
     code, log = _run_worker(spec)
     assert code == 64, log
     assert "entrypoint.script:" in log
+
+
+@pytest.mark.e2e
+def test_sigterm_while_waiting_for_peers_exits_143(tmp_path: Path) -> None:
+    """No training process has started (the rendezvous waits for a second node), so nothing can be
+    checkpointed: the worker reports the signal, not a resumable preemption."""
+    def terminate_once_started(proc: subprocess.Popen, line: str) -> None:
+        if line.startswith("deepfleet-worker: job"):
+            time.sleep(1.0)  # let it enter the rendezvous
+            proc.send_signal(signal.SIGTERM)
+
+    spec = _spec(tmp_path, [], nodes={"min": 2, "max": 2})
+    start = time.monotonic()
+    code, log = _run_worker(spec, on_line=terminate_once_started, timeout=60)
+    assert code == 143, log
+    assert time.monotonic() - start < 30
