@@ -222,6 +222,22 @@ def _checkpoint(rank: int, world_size: int, case: str, path: str, save: bool) ->
     }
 
 
+def _load_at_stage_3(rank: int, world_size: int, path: str) -> dict:
+    """FSDP2 (stage 3) loads the stage-2 checkpoint: the layouts agree, so the state is identical."""
+    from deepfleet.engine.config_zero import ZeroConfig
+    from deepfleet.engine.zero.fsdp import FSDPStrategy
+
+    model = make_model("gpt", seed=1)
+    user_groups = [{"params": list(model.parameters())}]  # read before fully_shard swaps the parameters
+    strategy = FSDPStrategy(model, compute_dtype=torch.float32, zero_config=ZeroConfig(stage=3))
+    groups = strategy.optimizer_param_groups(user_groups)
+    strategy.bind_optimizer(torch.optim.AdamW(groups, lr=LR, weight_decay=0.1))
+    state = strategy.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    strategy.load_state_dict(state)
+    return _full_state(strategy)
+
+
 GROUPS_LR = 2e-3
 
 
@@ -342,6 +358,8 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
             out[f"fp16-{stage}"] = _fp16(rank, world_size, stage)
     for case in ("gpt", "odd", "gpt-bf16"):
         out[f"checkpoint-{case}"] = _checkpoint(rank, world_size, case, f"{ckpt_dir}/{case}", world_size == 2)
+    if world_size == 3:
+        out["stage3-load"] = _load_at_stage_3(rank, world_size, f"{ckpt_dir}/gpt")
     return portable(out)
 
 
@@ -514,3 +532,14 @@ def test_checkpoint_saved_at_2_ranks_stage_2_loads_at_3_ranks_stage_1(runs: dict
                 step_err(r[f"checkpoint-{kind}"]["next"]["params"][name], torch.as_tensor(value), grad)
                 <= 1e-5
             )
+
+
+def test_checkpoint_saved_at_stage_2_loads_into_fsdp2_stage_3(runs: dict) -> None:
+    saved = runs[2][0]["checkpoint-gpt"]["state"]
+    for r in (run["stage3-load"] for run in runs[3]):
+        assert r["model"].keys() == saved["model"].keys() and r["optim"].keys() == saved["optim"].keys()
+        for name, value in saved["model"].items():
+            assert (r["model"][name] == value).all(), name
+        for fqn, entries in saved["optim"].items():
+            for key, value in entries.items():
+                assert (r["optim"][fqn][key] == value).all(), (fqn, key)
