@@ -232,7 +232,7 @@ class Reconciler:
             restarts=counted,
             max_restarts=int(policy.get("maxRestarts", 3)),
             backoff_seconds=float(policy.get("backoffSeconds", 5.0)),
-            retry_user_errors=bool(policy.get("retryOnUserError", False)),  # once the JobSpec offers it
+            retry_user_errors=bool(policy.get("retryOnUserError", False)),
             cancel_requested=job.desired_state == "cancel_requested",
             submitted=attempt is not None,
             not_before=job.not_before,

@@ -194,6 +194,8 @@ class RestartPolicy(_Section):
     """Restarts allowed for retryable failures (preemptions do not count against it)."""
     backoff_seconds: Annotated[float, Field(ge=0)] = 5.0
     """Wait before a new attempt; doubles on each consecutive failure."""
+    retry_on_user_error: bool = False
+    """Also retry when the training code raised (worker exit 65); off by default, as a bug repeats."""
 
 
 class Toleration(_Section):

@@ -141,3 +141,15 @@ def test_engine_config_is_validated_at_world_size(tmp_path: Path) -> None:
 
 def test_json_schema_snapshot() -> None:
     assert_matches_snapshot(JobSpec.model_json_schema(), "jobspec.schema.json")
+
+
+def test_retry_on_user_error_reaches_the_restart_decision() -> None:
+    """`restartPolicy.retryOnUserError` is what lets decide() retry a worker exit 65."""
+    from deepfleet.controller.db.models import Job
+    from deepfleet.controller.reconciler import Reconciler
+
+    for flag in (True, False):
+        spec = {"spec": {"restartPolicy": {"maxRestarts": 2, "retryOnUserError": flag}}}
+        job = Job(spec=spec, phase="RUNNING", current_attempt=1, restart_counts={}, desired_state=None,
+                  not_before=None, last_heartbeat=None)
+        assert Reconciler._state(job, None).retry_user_errors is flag
