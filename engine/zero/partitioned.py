@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from deepfleet.engine.zero.layout import (
     Slot,
@@ -56,6 +57,9 @@ from deepfleet.engine.zero.layout import (
 )
 
 _MASTER_DTYPE = torch.float32  # dtype of what the optimizer updates and of gradient reductions
+
+# parameter -> its stage-2 gradient hook; weak, by identity (a tensor's == is elementwise)
+_GRAD_HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class _Partitioned(ABC):
@@ -480,7 +484,13 @@ class ZeroStage2(_Partitioned):
         self._packed: list[set[int]] = [set() for _ in range(n)]
         self._next = 0  # next bucket to launch: buckets launch in order on every rank
         self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        for p in self._params:
+            # A model handed to a second strategy (initialize called again) must not keep feeding the
+            # first one: its hook would pack the gradient and free p.grad before ours runs.
+            previous = _GRAD_HOOKS.get(p)
+            if previous is not None:
+                previous.remove()
+            _GRAD_HOOKS[p] = p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._sync:

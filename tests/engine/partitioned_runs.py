@@ -58,6 +58,20 @@ def _one_step(rank: int, world_size: int, kind: str, stage: int, max_norm: float
     return _step(model, strategy, optimizer, batch, max_norm=max_norm)
 
 
+def _reinitialized(rank: int, world_size: int) -> dict:
+    """The same model handed to a second stage-2 strategy trains as if the first never existed."""
+    model = make_model("odd")
+    STAGES[2](model, compute_dtype=torch.float32, zero_config=zero_config(2))
+    strategy = STAGES[2](model, compute_dtype=torch.float32, zero_config=zero_config(2))
+    optimizer = torch.optim.AdamW(
+        strategy.optimizer_param_groups([{"params": list(model.parameters())}]), lr=LR, weight_decay=0.1
+    )
+    strategy.bind_optimizer(optimizer)
+    return _step(
+        model, strategy, optimizer, rank_slice(global_batch("odd", MICRO * world_size), rank, world_size)
+    )
+
+
 def _layout_round_trip(rank: int, world_size: int) -> bool:
     """Every rank keeps only its rows of odd-shaped tensors; one all-gather per bucket rebuilds them."""
     g = torch.Generator().manual_seed(7)
@@ -349,6 +363,7 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
             out[f"groups{stage}"] = _groups(rank, world_size, stage)
+            out["reinitialized"] = _reinitialized(rank, world_size)
             out[f"fp16-{stage}"] = _fp16(rank, world_size, stage)
     for case in ("gpt", "odd", "gpt-bf16"):
         out[f"checkpoint-{case}"] = _checkpoint(rank, world_size, case, f"{ckpt_dir}/{case}", world_size == 2)

@@ -122,6 +122,13 @@ def test_param_groups_keep_their_hyper_parameters_and_frozen_params_stay(runs: d
                 assert step_err(r["params"][name], p.detach(), grads[name]) <= 1e-5, name
 
 
+def test_a_model_given_to_a_second_stage_2_strategy_feeds_only_that_one(runs: dict) -> None:
+    ref_params, ref_grads, _ = reference_step("odd", global_batch("odd", MICRO * 2))
+    for r in (run["reinitialized"] for run in runs[2]):
+        for name, ref in ref_params.items():
+            assert step_err(r["params"][name], ref, ref_grads[name]) <= 1e-5, name
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(runs: dict, stage: int) -> None:
     for r in (run[f"fp16-{stage}"] for run in runs[2]):
