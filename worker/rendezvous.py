@@ -78,8 +78,11 @@ class Rendezvous:
 
 
 def detect_platform(environ: Mapping[str, str]) -> str:
-    """Which platform started this process, from the variables only that platform sets."""
-    if any(k.startswith("AZUREML_") for k in environ) or "AZ_BATCH_MASTER_NODE" in environ:
+    """Which platform started this process, from the variables only that platform's runtime sets.
+
+    Not "any AZUREML_* variable": the azure-ai-ml SDK itself exports AZUREML_CURRENT_CLOUD into the
+    process that uses it (a controller), and a local worker inherits it."""
+    if any(k in environ for k in ("AZUREML_RUN_ID", "AZ_BATCH_MASTER_NODE", "AZ_BATCHAI_MPI_MASTER_NODE")):
         return "azureml"
     if "JOB_COMPLETION_INDEX" in environ:
         return "kubernetes"

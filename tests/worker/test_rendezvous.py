@@ -63,6 +63,20 @@ def test_incomplete_environments_name_the_variable(env: dict, message: str) -> N
     assert str(e.value).startswith(message)
 
 
+@pytest.mark.parametrize(
+    ("env", "platform"),
+    [
+        ({}, "local"),
+        ({"AZUREML_CURRENT_CLOUD": "AzureCloud"}, "local"),  # exported by the azure-ai-ml SDK anywhere it runs
+        ({"AZUREML_RUN_ID": "r"}, "azureml"),
+        ({"AZ_BATCH_MASTER_NODE": "10.0.0.1:6000"}, "azureml"),
+        ({"JOB_COMPLETION_INDEX": "0"}, "kubernetes"),
+    ],
+)
+def test_detect_platform(env: dict, platform: str) -> None:
+    assert detect_platform(env) == platform
+
+
 def test_spec_endpoint_and_platform_override_detection() -> None:
     env = {"AZUREML_RUN_ID": "r", "DEEPFLEET_NODE_RANK": "1", "DEEPFLEET_NNODES": "2"}
     assert detect_platform(env) == "azureml"
