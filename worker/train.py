@@ -166,6 +166,7 @@ def run_managed(spec: WorkerSpec) -> None:
                     save()
                 if rank == 0:
                     mark_preempted(last_ckpt)
+                    heartbeat.submit(Heartbeat(step=step, loss=mean_loss, last_complete_checkpoint=last_ckpt))
                 _leave_group()
                 exit_preempted()
         if ckpt_dir is not None and saved_at != engine.global_steps:

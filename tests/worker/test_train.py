@@ -157,9 +157,12 @@ def test_sigterm_checkpoints_exits_75_and_resumes_without_losing_a_step(referenc
             sent.append(time.monotonic())
 
     ckpt = tmp_path / "ckpt"
-    spec = _spec(ckpt, sleep_s=0.3, every=0)  # no periodic checkpoints: only the preemption one
-    code, log = _run(spec, on_line=terminate_after_step_2)
-    took = time.monotonic() - sent[0]
+    with running_sink() as sink:
+        spec = _spec(ckpt, sleep_s=0.3, every=0,  # no periodic checkpoints: only the preemption one
+                     heartbeat={"url": sink.url("/hb"), "interval_s": 3600})
+        code, log = _run(spec, on_line=terminate_after_step_2)
+        took = time.monotonic() - sent[0]
+        beats = sink.bodies("/hb")
     assert code == 75, log
     assert took < spec["preemption"]["grace_period_s"], took
     stopped = re.search(r"checkpointing step (\d+)", log)
@@ -167,6 +170,8 @@ def test_sigterm_checkpoints_exits_75_and_resumes_without_losing_a_step(referenc
     tag = f"global_step{stopped.group(1)}"
     assert 2 <= int(stopped.group(1)) < MAX_STEPS and (ckpt / tag / "COMPLETE").exists()
     assert (ckpt / "latest").read_text().strip() == tag and f"preempted; checkpoint {tag} is complete" in log
+    # the controller hears of the checkpoint before the exit code (first beat at step 1, last at the stop)
+    assert [b["step"] for b in beats] == [1, int(stopped.group(1))] and beats[-1]["last_complete_checkpoint"] == tag
 
     spec["attempt"] = 1
     code, log = _run(spec)
