@@ -198,6 +198,28 @@ def build_buckets(
     return buckets
 
 
+def _gloo(group: dist.ProcessGroup | None) -> bool:
+    # Gloo's reduce-scatter and all-gather are much slower than its ring all-reduce (measured here with
+    # 2 ranks on 21 MB fp32: all-reduce 26 ms, reduce-scatter 59 ms, all-gather 41 ms), so on gloo both are
+    # carried out as an all-reduce of the rank-major flat buffer. The results are the same; only the bytes
+    # moved differ, and gloo's all-reduce wins anyway. NCCL keeps the real collectives.
+    return dist.get_backend(group) == "gloo"
+
+
+class _SegmentOfAllReduce:
+    """A pending all-reduce of a rank-major flat buffer that, on `wait()`, copies this rank's segment out
+    (what a reduce-scatter would have left there)."""
+
+    def __init__(self, work: dist.Work | None, flat: torch.Tensor, segment: torch.Tensor, start: int) -> None:
+        self._work, self._flat, self._segment, self._start = work, flat, segment, start
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+        self._segment.copy_(self._flat[self._start : self._start + self._segment.numel()])
+        return True
+
+
 def reduce_scatter(
     bucket: Bucket,
     flat: torch.Tensor,
@@ -205,11 +227,23 @@ def reduce_scatter(
     *,
     group: dist.ProcessGroup | None,
     async_op: bool,
-) -> dist.Work | None:
+) -> dist.Work | _SegmentOfAllReduce | None:
     """SUM-reduce a packed flat buffer and leave this rank's segment in `segment` (averaging is the
-    caller's, after the reduction: gloo has no PREMUL_SUM)."""
+    caller's, after the reduction: gloo has no PREMUL_SUM). `flat` is clobbered. With `async_op`, the
+    segment is ready after the returned handle's `wait()`."""
     assert flat.numel() == bucket.flat_numel and segment.numel() == bucket.segment_numel
-    return dist.reduce_scatter_single(segment, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    if not _gloo(group):
+        return dist.reduce_scatter_single(segment, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    pending = _SegmentOfAllReduce(
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
+        flat,
+        segment,
+        bucket.rank * bucket.segment_numel,
+    )
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def all_gather_params(bucket: Bucket, *, group: dist.ProcessGroup | None) -> None:
@@ -220,7 +254,14 @@ def all_gather_params(bucket: Bucket, *, group: dist.ProcessGroup | None) -> Non
         bucket.fill_segment(
             segment, [local_rows(p.detach(), s) for p, s in zip(bucket.params, bucket.slots, strict=True)]
         )
-        flat = torch.empty(bucket.flat_numel, dtype=dtype, device=device)
-        dist.all_gather_single(flat, segment, group=group)
+        if _gloo(group):
+            # Each rank contributes its own segment into zeros; the sum is the concatenation (exact).
+            flat = torch.zeros(bucket.flat_numel, dtype=dtype, device=device)
+            start = bucket.rank * bucket.segment_numel
+            flat[start : start + bucket.segment_numel].copy_(segment)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        else:
+            flat = torch.empty(bucket.flat_numel, dtype=dtype, device=device)
+            dist.all_gather_single(flat, segment, group=group)
         for i, p in enumerate(bucket.params):
             bucket.unpack(flat, i, p.detach())
