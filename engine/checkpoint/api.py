@@ -7,7 +7,8 @@ only when it checkpoints). Return values follow DeepSpeed: save returns True; lo
 What this reads from the engine (duck-typed, so the engine never needs a checkpoint-specific API):
 - `engine.sharding`: the ZeroStrategy; its `state_dict()` / `load_state_dict()` carry model and
   optimizer state in DCP's format (sharded DTensors or plain tensors, keyed by the model's FQNs);
-- `engine.global_steps`, `engine.micro_steps` (ints, restored on load), `engine.global_samples` if present;
+- `engine.global_steps`, `engine.micro_steps` (ints; on load `micro_steps` restarts at the boundary of the
+  current accumulation count, which changes with the world size), `engine.global_samples` if present;
 - `engine.lr_scheduler`, `engine.precision` (loss scaler), `engine.training_dataloader`: each
   optional, saved through its `state_dict()` and restored through `load_state_dict()`. The data
   loader's state must be world-size independent (global samples consumed, epoch, seed) so a resume at
@@ -160,7 +161,9 @@ def load_checkpoint(
     engine.sharding.load_state_dict(state)
     if not load_module_only:
         engine.global_steps = int(shared["global_steps"])
-        engine.micro_steps = int(shared["micro_steps"])
+        # Resume on an accumulation boundary of *this* run: the accumulation count follows the world size
+        # (fixed global batch), and gradients of a half-finished window are not part of a checkpoint.
+        engine.micro_steps = engine.global_steps * int(engine.gradient_accumulation_steps())
         if hasattr(engine, "global_samples"):
             engine.global_samples = int(shared.get("global_samples", 0))
         _restore_rank_rng(reader, rank=_rank())

@@ -148,3 +148,48 @@ def test_async_save_equals_sync_save(with_dropout, tmp_path: Path) -> None:
 def test_resume_with_the_engines_own_loader_keeps_rng(tmp_path: Path) -> None:
     expected = spawn(_uninterrupted, 2, str(tmp_path), 3, 0.1, False)[0]
     assert spawn(_resumed, 2, str(tmp_path), 3, 0.1, False)[0]["losses"] == pytest.approx(expected, rel=1e-5)
+
+
+def _save_with_accumulation(rank: int, world: int, root: str) -> int:
+    engine = _accumulating_engine()
+    batches = _Batches(engine.training_dataloader)
+    for _ in range(3 * engine.gradient_accumulation_steps()):  # three optimizer steps (6 micro-steps)
+        engine.backward(engine(batches.next()))
+        engine.step()
+    engine.save_checkpoint(root)
+    return engine.gradient_accumulation_steps()
+
+
+def _load_with_accumulation(rank: int, world: int, root: str) -> dict:
+    engine = _accumulating_engine()
+    engine.load_checkpoint(root)
+    gas = engine.gradient_accumulation_steps()
+    boundaries = []
+    batches = _Batches(engine.training_dataloader)
+    for _ in range(gas):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(engine(batches.next()))
+        engine.step()
+    return {"gas": gas, "global_steps": engine.global_steps, "boundaries": boundaries}
+
+
+def _accumulating_engine():
+    import deepfleet.engine as deepfleet
+    from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
+
+    torch.manual_seed(0)
+    model = GPTWithLoss(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=1))
+    data = SyntheticTokens(num_samples=SAMPLES, seq_len=16, vocab_size=64, seed=3)
+    # Fixed global batch and micro-batch: the accumulation count follows the world size (2 at ws 2, 4 at ws 1).
+    config = {**_config(2), "gradient_accumulation_steps": None, "train_micro_batch_size_per_gpu": 3}
+    config = {k: v for k, v in config.items() if v is not None}
+    engine, _, _, _ = deepfleet.initialize(model=model, config=config, training_data=data)
+    return engine
+
+
+def test_resume_at_another_accumulation_count_starts_a_full_window(tmp_path: Path) -> None:
+    """Saved at world size 2 (2 micro-steps per step), resumed at world size 1 (4 per step): the first
+    optimizer step after the load accumulates a whole window, not the saved run's count."""
+    assert spawn(_save_with_accumulation, 2, str(tmp_path)) == [2, 2]
+    (after,) = spawn(_load_with_accumulation, 1, str(tmp_path))
+    assert after == {"gas": 4, "global_steps": 4, "boundaries": [False, False, False, True]}
