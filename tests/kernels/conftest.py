@@ -1,25 +1,12 @@
-"""Kernel tests run Triton in its CPU interpreter, except a GPU run (`-m gpu`), where Triton must
-compile for the device. Triton reads TRITON_INTERPRET when a kernel is decorated, and our Triton modules
-are imported lazily on the first Triton call, so setting it here (before any test runs) is in time."""
+"""Kernel test fixtures. Triton runs in its CPU interpreter except in a GPU run (`-m gpu`); the switch
+is set in `tests/conftest.py`, before any module can import triton."""
 
 from __future__ import annotations
-
-import os
-import re
 
 import pytest
 import torch
 
 from tests.kernels import tolerance
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    markexpr = config.getoption("markexpr", default="") or ""
-    gpu_run = re.search(r"(?<!not )\bgpu\b", markexpr) is not None and torch.cuda.is_available()
-    if not gpu_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Triton 3.9 warns on the first real compile unless FP fusion is chosen explicitly; warnings are errors
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 @pytest.fixture(autouse=True)
