@@ -11,6 +11,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from deepfleet.controller.api import health, jobs, queues, tokens, workers
 from deepfleet.controller.api.deps import ApiError
 from deepfleet.controller.api.logs import LogLocator, file_log_locator
@@ -18,12 +25,6 @@ from deepfleet.controller.db.auth import ensure_bootstrap_token
 from deepfleet.controller.db.session import make_engine, make_session_factory
 from deepfleet.controller.settings import Settings
 from deepfleet.controller.spec import JobSpec
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 API_TITLE = "deepfleet controller"
 API_VERSION = "0.1.0"

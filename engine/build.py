@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from deepfleet.engine.precision import Precision, build_precision
 from deepfleet.engine.zero.base import StrategyFactory, ZeroStrategy
-from torch import nn
 
 # zero_optimization.stage -> the strategy class ("module:Class"), imported only when used.
 STRATEGIES: dict[int, str] = {

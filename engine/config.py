@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
+
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_optim import (
@@ -38,7 +40,6 @@ from deepfleet.engine.config_optim import (
 )
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_zero import ZeroConfig
-from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 __all__ = ["ConfigError", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
 

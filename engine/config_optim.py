@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from deepfleet.engine.config_base import Betas, Bool, ConfigSection, Float, Int, PerGroupRate
 from pydantic import Field, model_validator
+
+from deepfleet.engine.config_base import Betas, Bool, ConfigSection, Float, Int, PerGroupRate
 
 # DeepSpeed matches optimizer types case-insensitively; these are the canonical spellings.
 OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Literal
 
-from deepfleet.engine.config_base import Bool, ConfigSection, Float, Int
 from pydantic import AfterValidator, AliasChoices, Field, model_validator
+
+from deepfleet.engine.config_base import Bool, ConfigSection, Float, Int
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 

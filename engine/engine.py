@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from deepfleet.engine.build import Training, build_training
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
-from torch import nn
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
+
 from deepfleet.engine.config_optim import (
     LRRangeTestConfig,
     OneCycleConfig,
@@ -31,7 +33,6 @@ from deepfleet.engine.config_optim import (
     WarmupDecayLRConfig,
     WarmupLRConfig,
 )
-from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_lr_scheduler"]
 

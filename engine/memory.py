@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
 from deepfleet.engine.zero.base import MODEL_STATE_CATEGORIES, ZeroStrategy
 
 

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
+
 from deepfleet.engine.config_optim import (
     AdagradConfig,
     AdamConfig,
@@ -29,7 +31,6 @@ from deepfleet.engine.config_optim import (
     OptimizerConfig,
     SGDConfig,
 )
-from torch.distributed.tensor import DTensor
 
 __all__ = ["Lamb", "Lion", "build_optimizer"]
 

@@ -9,9 +9,10 @@ option, then the controller settings (`DEEPFLEET_DATABASE_URL` / `DATABASE_URL`)
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import Connection
+
 from deepfleet.controller.db.models import Base
 from deepfleet.controller.db.session import make_engine
-from sqlalchemy import Connection
 
 target_metadata = Base.metadata
 

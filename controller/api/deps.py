@@ -14,13 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
 from deepfleet.controller.db.auth import find_api_token
 from deepfleet.controller.db.jobs import get_job
 from deepfleet.controller.db.models import Job
 from deepfleet.controller.settings import Settings
-from fastapi import Depends, HTTPException, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
 
 ROLE_RANK = {"viewer": 0, "member": 1, "admin": 2}
 

@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from deepfleet.controller.db.jobs import jobs_by_phase
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -21,6 +20,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deepfleet.controller.db.jobs import jobs_by_phase
 
 router = APIRouter(tags=["health"])
 

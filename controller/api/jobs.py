@@ -13,6 +13,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
+
 from deepfleet.controller.api.deps import (
     ApiError,
     PrincipalDep,
@@ -35,10 +40,6 @@ from deepfleet.controller.api.schemas import (
 from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
 from deepfleet.controller.spec import JobSpec, SpecError, parse_job_yaml, validate_job
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
-from sqlalchemy import select
-from starlette.concurrency import run_in_threadpool
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
+from fastapi import APIRouter, Path
+from sqlalchemy import select
+
 from deepfleet.controller.api.deps import ApiError, PrincipalDep, SessionDep, SettingsDep, require
 from deepfleet.controller.api.schemas import ErrorBody, QueueOut, QueueQuota
 from deepfleet.controller.db.models import Queue, utcnow
-from fastapi import APIRouter, Path
-from sqlalchemy import select
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from deepfleet.controller.db.models import Attempt, Event, Heartbeat, Job
 from pydantic import BaseModel, ConfigDict, Field
+
+from deepfleet.controller.db.models import Attempt, Event, Heartbeat, Job
 
 
 class _Out(BaseModel):

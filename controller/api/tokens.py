@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from fastapi import APIRouter, Response
+
 from deepfleet.controller.api.deps import ApiError, PrincipalDep, SessionDep, SettingsDep, require
 from deepfleet.controller.api.schemas import ErrorBody, TokenCreate, TokenCreated
 from deepfleet.controller.db.auth import create_api_token
 from deepfleet.controller.db.models import ApiToken, utcnow
-from fastapi import APIRouter, Response
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,8 @@ that one job, see `controller.tokens`); a member or admin API token of the job's
 
 from __future__ import annotations
 
+from fastapi import APIRouter
+
 from deepfleet.controller.api.deps import (
     ApiError,
     Credentials,
@@ -21,7 +23,6 @@ from deepfleet.controller.db.auth import find_api_token
 from deepfleet.controller.db.models import Job
 from deepfleet.controller.tokens import JOB_PREFIX, verify_job_token
 from deepfleet.worker.spec import FailureReport, Heartbeat
-from fastapi import APIRouter
 
 router = APIRouter(prefix="/v1/jobs", tags=["workers"])
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from sqlalchemy.orm import Session
+
 from deepfleet.controller.db.jobs import ensure_project
 from deepfleet.controller.db.models import ApiToken, utcnow
 from deepfleet.controller.tokens import hash_secret, mint_api_token, secret_matches, split_api_token
-from sqlalchemy.orm import Session
 
 
 def create_api_token(

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import Select, and_, exists, func, or_, select
+from sqlalchemy.orm import Session, defer
+
 from deepfleet.controller.db.models import (
     JOB_PHASES,
     TERMINAL_PHASES,
@@ -27,8 +30,6 @@ from deepfleet.controller.db.models import (
 from deepfleet.controller.spec import JobSpec, job_world_size, node_bounds
 from deepfleet.worker.spec import FailureReport
 from deepfleet.worker.spec import Heartbeat as HeartbeatReport
-from sqlalchemy import Select, and_, exists, func, or_, select
-from sqlalchemy.orm import Session, defer
 
 
 class Conflict(ValueError):

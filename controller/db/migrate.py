@@ -13,6 +13,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+
 from deepfleet.controller.db.session import make_engine
 
 

@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
 from deepfleet.engine.zero.optim_state import (
     ensure_optimizer_state,
     fqn_optimizer_state,
     load_fqn_optimizer_state,
 )
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 _MB = 1024 * 1024
 

@@ -8,10 +8,10 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
-from deepfleet.controller.db.migrate import upgrade_head
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from deepfleet.controller.db.migrate import upgrade_head
 from tests.controller.pg import postgres_cluster
 
 # Starlette's TestClient prefers the httpx2 package and warns (deprecation) when it falls back to httpx,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+from typer.testing import CliRunner
+
 from deepfleet.controller.cli import app
 from deepfleet.controller.spec import JobSpec
-from typer.testing import CliRunner
 
 
 def test_schema_command_prints_the_jobspec_schema() -> None:

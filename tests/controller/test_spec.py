@@ -7,8 +7,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from deepfleet.controller.spec import JobSpec, SpecError, job_world_size, node_bounds, parse_job_yaml
 
+from deepfleet.controller.spec import JobSpec, SpecError, job_world_size, node_bounds, parse_job_yaml
 from tests.controller.snapshot import assert_matches_snapshot
 
 EXAMPLE = textwrap.dedent(

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from deepfleet.engine.build import build_training
 from deepfleet.engine.config import load_config
-from torch import nn
 
 
 def _config(section: str) -> object:

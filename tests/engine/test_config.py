@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+
 from deepfleet.engine.config import ConfigError, DeepFleetConfig, load_config
 
 

@@ -11,6 +11,7 @@ import random
 import re
 
 import pytest
+
 from deepfleet.engine.config import ConfigError, DeepFleetConfig, load_config
 
 SEEDS = [

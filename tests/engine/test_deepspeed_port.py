@@ -28,7 +28,6 @@ DS_CONFIG = {
 def deepspeed_script(rank: int, world_size: int, ckpt_dir: str, config_path: str) -> dict:
     """What a DeepSpeed user writes (the only change is the first import line)."""
     import deepfleet.engine as deepspeed
-
     from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
     deepspeed.init_distributed()

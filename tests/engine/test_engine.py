@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 
-import deepfleet.engine as deepspeed
 import pytest
 import torch
 import torch.distributed as dist
+
+import deepfleet.engine as deepspeed
 from deepfleet.engine.config import ConfigError
 from deepfleet.engine.dataloader import ResumableDistributedSampler
-
 from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)

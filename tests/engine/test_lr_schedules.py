@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from deepfleet.engine.config import load_config
 from deepfleet.engine.lr_schedules import (
     LRRangeTest,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepfleet.engine.memory import model_state_bytes, storage_bytes
 
+from deepfleet.engine.memory import model_state_bytes, storage_bytes
 from tests.engine.zero_runs import run_stage
 
 

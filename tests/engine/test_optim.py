@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from deepfleet.engine.config import load_config
 from deepfleet.engine.optim import Lamb, Lion, build_optimizer
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from deepfleet.engine.precision import DynamicLossScaler, Precision, StaticLossScaler, build_precision
 
+from deepfleet.engine.precision import DynamicLossScaler, Precision, StaticLossScaler, build_precision
 from tests.spawn import spawn
 
 OV, OK = True, False  # overflow, good step
@@ -89,7 +89,6 @@ def test_overflow_is_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 def _fp16_run(rank: int, world_size: int, stage: int) -> dict:
     import deepfleet.engine as deepspeed
-
     from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
     torch.manual_seed(0)

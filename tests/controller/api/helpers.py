@@ -5,8 +5,9 @@ from __future__ import annotations
 import textwrap
 from datetime import datetime
 
-from deepfleet.controller.db.auth import create_api_token
 from fastapi import FastAPI
+
+from deepfleet.controller.db.auth import create_api_token
 
 JOB_YAML = textwrap.dedent(
     """

@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from deepfleet.controller.db.models import Attempt
 
+from deepfleet.controller.db.models import Attempt
 from tests.controller.api.helpers import job_yaml, token, yaml_headers
 
 

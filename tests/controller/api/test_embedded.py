@@ -7,7 +7,6 @@ from pathlib import Path
 
 from deepfleet.controller.app import create_app
 from deepfleet.controller.settings import Settings
-
 from tests.controller.api.helpers import job_yaml, yaml_headers
 from tests.controller.conftest import ADMIN_TOKEN, TestClient
 

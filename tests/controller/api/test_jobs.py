@@ -10,7 +10,6 @@ from pathlib import Path
 
 from deepfleet.controller.db.models import Attempt, Job
 from deepfleet.controller.tokens import job_token
-
 from tests.controller.api.helpers import job_yaml, token, yaml_headers
 from tests.controller.conftest import ADMIN_TOKEN
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, select
+from sqlalchemy.exc import IntegrityError
+
 from deepfleet.controller.db.migrate import downgrade_base, upgrade_head
 from deepfleet.controller.db.models import Base, Job, Project, Queue
 from deepfleet.controller.db.session import make_engine, make_session_factory
 from deepfleet.controller.settings import Settings
-from sqlalchemy import create_engine, inspect, select
-from sqlalchemy.exc import IntegrityError
 
 TABLES = {"projects", "api_tokens", "queues", "jobs", "job_labels", "attempts", "events", "heartbeats", "leases"}
 
