@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -49,7 +50,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             timeout=datetime.timedelta(seconds=60),
         )
         result = fn(rank, world_size, *args)
-        out.put((rank, True, result))
+        # Pickled to bytes here: torch's queue reducers would share tensor storage through file
+        # descriptors that vanish when this process exits before the parent reads the queue.
+        out.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report every failure to the parent, then exit non-zero
         out.put((rank, False, traceback.format_exc()))
         raise
@@ -88,7 +91,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
                         codes = {i: p.exitcode for i, p in enumerate(procs)}
                         raise RuntimeError(f"rank process died without a report; exit codes {codes}") from None
                 continue
-            (results if ok else errors)[rank] = value
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
             if errors:
                 break
         if errors:

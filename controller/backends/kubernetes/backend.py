@@ -50,9 +50,10 @@ def connect(kubeconfig: str | None = None, *, context: str | None = None) -> cli
             cfg = client.Configuration()
             config.load_incluster_config(client_configuration=cfg)
             return client.ApiClient(cfg)
-        return config.new_client_from_config(config_file=kubeconfig, context=context)
+        # $KUBECONFIG is read now: the client library reads it once, when it is first imported.
+        return config.new_client_from_config(config_file=kubeconfig or os.environ.get("KUBECONFIG"), context=context)
     except (ConfigException, OSError) as e:
-        raise BackendError(f"kubernetes: cannot load cluster credentials ({e}); set DEEPFLEET_KUBECONFIG or run "
+        raise BackendError(f"kubernetes: cannot load cluster credentials ({e}); set KUBECONFIG or run "
                            "the controller in the cluster", transient=False) from e
 
 
