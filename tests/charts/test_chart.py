@@ -130,6 +130,7 @@ ALLOWED_RBAC = {
     ("", "pods"): {"get", "list", "watch"},
     ("", "pods/log"): {"get"},
     ("", "services"): {"create", "get", "list", "watch", "delete"},
+    ("", "secrets"): {"create", "get", "delete"},  # the worker token of each run; never list or watch
     ("", "events"): {"get", "list", "watch"},
     ("coordination.k8s.io", "leases"): {"create", "get", "update"},
 }

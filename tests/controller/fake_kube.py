@@ -5,11 +5,14 @@ backend sends (URLs, query parameters, bodies, kubeconfig loading, watch streams
 this is a small HTTP server on 127.0.0.1 that the *real* `kubernetes` client talks to, with the
 behaviour the backend relies on:
 
-* pods, services (core/v1) and jobs (batch/v1) in known namespaces: create (409 AlreadyExists, 422
+* pods, services, secrets (core/v1) and jobs (batch/v1) in known namespaces: create (409 AlreadyExists, 422
   Invalid for a bad name/label, 404 for an unknown namespace), get (404), list with label selectors
   (`=`, `==`, `!=`, `in`, `notin`, `key`, `!key`), delete with `propagationPolicy` from the query or
   the DeleteOptions body; Orphan / Background / Foreground garbage collection through
   ownerReferences, and batch/v1 Job's default of **Orphan** (pods stay, as on a real API server);
+* secrets as stored by the API server: write-only `stringData` merged into `data` as base64 (a
+  `stringData` key wins), `data` values must be base64 and keys `[-._a-zA-Z0-9]+`, `type` defaults to
+  Opaque, and the name is a DNS-1123 subdomain;
 * watch with a global resourceVersion: replay after an RV, ADDED for the current state without one,
   `compact()` makes older RVs answer with an ERROR event carrying Status 410 Expired;
 * a minimal Indexed-Job controller: creating an unsuspended Job creates `parallelism` pods with
@@ -21,6 +24,8 @@ behaviour the backend relies on:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import json
 import re
@@ -37,10 +42,12 @@ from urllib.parse import parse_qs, urlparse
 import yaml
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>batch)/v1)/namespaces/(?P<ns>[^/]+)/(?P<kind>pods|services|jobs)"
-                   r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|status))?$")
-KINDS = {"pods": ("v1", "Pod"), "services": ("v1", "Service"), "jobs": ("batch/v1", "Job")}
+SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>batch)/v1)/namespaces/(?P<ns>[^/]+)"
+                   r"/(?P<kind>pods|services|secrets|jobs)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|status))?$")
+KINDS = {"pods": ("v1", "Pod"), "services": ("v1", "Service"), "secrets": ("v1", "Secret"), "jobs": ("batch/v1", "Job")}
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 
 
@@ -376,7 +383,10 @@ class FakeKubeAPI:
         problems = []
         if meta["namespace"] != ns:
             return 400, _status(400, "BadRequest", "the namespace of the object does not match the request"), {}
-        if len(name) > 63 or not DNS_LABEL.match(name):
+        if kind == "secrets":  # Secret names are subdomains; the others here are labels
+            if len(name) > 253 or not DNS_SUBDOMAIN.match(name):
+                problems.append(f"metadata.name: Invalid value: {name!r}: must be a DNS-1123 subdomain")
+        elif len(name) > 63 or not DNS_LABEL.match(name):
             problems.append(f"metadata.name: Invalid value: {name!r}: must be a DNS-1123 label")
         for v in meta.get("labels", {}).values():
             if len(v) > 63 or not LABEL_VALUE.match(v):
@@ -387,6 +397,8 @@ class FakeKubeAPI:
                 problems.append("spec.completions: Required value: when completion mode is Indexed")
             if spec.get("template", {}).get("spec", {}).get("restartPolicy") not in ("Never", "OnFailure"):
                 problems.append("spec.template.spec.restartPolicy: Unsupported value")
+        if kind == "secrets":
+            problems += self._store_secret_data(obj)
         if problems:
             return 422, _status(422, "Invalid", f'{KINDS[kind][1]} "{name}" is invalid: ' + "; ".join(problems)), {}
         if (kind, ns, name) in self.objects:
@@ -398,6 +410,26 @@ class FakeKubeAPI:
             self._start_job(obj)
             self._bump("jobs", "MODIFIED", obj)
         return 201, copy.deepcopy(obj), {}
+
+    @staticmethod
+    def _store_secret_data(obj: dict[str, Any]) -> list[str]:
+        """Merge the write-only `stringData` into `data` (base64) as the API server does; the problems."""
+        problems = []
+        data = obj.get("data") or {}
+        for key, value in data.items():
+            try:
+                base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError, TypeError):
+                problems.append(f"data[{key}]: Invalid value: not base64")
+        for key, value in (obj.pop("stringData", None) or {}).items():
+            data[key] = base64.b64encode(str(value).encode()).decode()
+        for key in data:
+            if len(key) > 253 or not SECRET_KEY.match(key):
+                problems.append(f"data[{key}]: Invalid value: a valid config key must consist of alphanumeric "
+                                "characters, '-', '_' or '.'")
+        obj["data"] = data
+        obj.setdefault("type", "Opaque")
+        return problems
 
     def _watch(self, h: BaseHTTPRequestHandler, kind: str, ns: str, query: dict[str, str]) -> None:
         selector = query.get("labelSelector")

@@ -1,9 +1,11 @@
 """The Kubernetes backend against the in-process fake API server, through the real `kubernetes` client
-loaded from a kubeconfig: submit (idempotent, owner references), observe (phases, exit codes, failure
+loaded from a kubeconfig: submit (idempotent, owner references, the worker token in a Secret), observe (phases, exit codes, failure
 classes, the watch resuming after 410), cancel (Background propagation, nothing left), logs, errors."""
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -14,7 +16,7 @@ from deepfleet.controller.backends.base import BackendError, RunPhase
 from deepfleet.controller.backends.kubernetes import names
 from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, connect
 from deepfleet.controller.backends.kubernetes.watch import PodWatcher
-from deepfleet.worker.spec import FailureClass
+from deepfleet.worker.spec import TOKEN_ENV, FailureClass
 from tests.controller.example_jobs import example_submission
 from tests.controller.fake_kube import FakeKubeAPI
 
@@ -57,7 +59,8 @@ def test_submit_creates_an_indexed_job_and_an_owned_headless_service(fake, backe
     assert job is not None and svc is not None
     assert svc["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     posted = [r.path for r in fake.requests if r.method == "POST"]
-    assert posted == [f"/apis/batch/v1/namespaces/{NS}/jobs", f"/api/v1/namespaces/{NS}/services"]
+    assert posted == [f"/apis/batch/v1/namespaces/{NS}/jobs", f"/api/v1/namespaces/{NS}/secrets",
+                      f"/api/v1/namespaces/{NS}/services"]
     assert fake.requests[0].headers["authorization"] == "Bearer fake-token"
     started = pods(fake, sub.name)
     assert [p["spec"]["hostname"] for p in started] == [f"{sub.name}-0", f"{sub.name}-1"]
@@ -66,11 +69,48 @@ def test_submit_creates_an_indexed_job_and_an_owned_headless_service(fake, backe
     assert [e["JOB_COMPLETION_INDEX"] for e in env] == ["0", "1"]
 
 
+def test_submit_puts_the_token_in_an_owned_secret_and_not_in_the_job(fake, backend) -> None:
+    sub = example_submission("kubernetes")
+    token = sub.env[TOKEN_ENV]
+    backend.submit(sub)
+    job, secret = fake.get("jobs", NS, sub.name), fake.get("secrets", NS, f"{sub.name}-token")
+    assert secret is not None and secret["kind"] == "Secret" and secret["type"] == "Opaque"
+    assert secret["metadata"]["ownerReferences"] == [{"apiVersion": "batch/v1", "kind": "Job", "name": sub.name,
+                                                      "uid": job["metadata"]["uid"], "blockOwnerDeletion": True}]
+    assert secret["metadata"]["labels"][names.RUN] == sub.name
+    # As stored by the API server: base64 in `data`, the write-only `stringData` gone.
+    assert "stringData" not in secret and base64.b64decode(secret["data"][TOKEN_ENV]).decode() == token
+    read = backend.core.read_namespaced_secret(f"{sub.name}-token", NS)
+    assert base64.b64decode(read.data[TOKEN_ENV]).decode() == token
+    assert token not in json.dumps(job)
+    for pod in pods(fake, sub.name):
+        assert token not in json.dumps(pod)
+        (var,) = [e for e in pod["spec"]["containers"][0]["env"] if e["name"] == TOKEN_ENV]
+        assert var["valueFrom"]["secretKeyRef"] == {"name": f"{sub.name}-token", "key": TOKEN_ENV}
+
+
+def test_submit_recovers_a_run_whose_secret_was_never_created(fake, backend) -> None:
+    sub = example_submission("kubernetes")
+    fake.fail_next("POST", "/secrets$", 503)
+    with pytest.raises(BackendError, match=f"create Secret {NS}/{sub.name}-token: HTTP 503") as err:
+        backend.submit(sub)
+    assert err.value.transient and fake.get("secrets", NS, f"{sub.name}-token") is None
+    backend.submit(sub)  # the controller retries: the Job exists (409), the Secret and Service are created now
+    uid = fake.get("jobs", NS, sub.name)["metadata"]["uid"]
+    assert fake.get("secrets", NS, f"{sub.name}-token")["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert fake.get("services", NS, sub.name)["metadata"]["ownerReferences"][0]["uid"] == uid
+    fake.fail_next("POST", "/secrets$", 403)
+    with pytest.raises(BackendError, match="HTTP 403") as err:
+        backend.submit(replace(sub, name="df-other-3f2a9c1e-a1"))
+    assert not err.value.transient
+
+
 def test_submit_is_idempotent(fake, backend) -> None:
     sub = example_submission("kubernetes")
     backend.submit(sub)
     backend.submit(sub)
     assert len(fake.list("jobs", NS)) == 1 and len(fake.list("services", NS)) == 1 and len(pods(fake, sub.name)) == 2
+    assert len(fake.list("secrets", NS)) == 1
     assert [r.path.rsplit("/", 1)[-1] for r in fake.calls("GET", "/jobs/")] == [sub.name]  # read back after the 409
 
 
@@ -143,6 +183,7 @@ def test_cancel_deletes_the_job_with_background_propagation(fake, backend) -> No
     assert delete.query.get("propagationPolicy") == "Background" or \
         (delete.body or {}).get("propagationPolicy") == "Background"
     assert fake.list("pods", NS) == [] and fake.list("services", NS) == [] and fake.list("jobs", NS) == []
+    assert fake.list("secrets", NS) == []
     assert backend.observe(sub.name).phase is RunPhase.NOT_FOUND
     backend.cancel(sub.name)  # idempotent: 404 is success
 
@@ -262,6 +303,10 @@ def test_the_fake_answers_422_for_what_the_api_server_rejects(fake, backend) -> 
     with pytest.raises(ApiException) as err:
         backend.batch.create_namespaced_job(NS, body)
     assert err.value.status == 422 and "DNS-1123" in err.value.body and "completions" in err.value.body
+    secret = {"metadata": {"name": "s"}, "data": {"bad key": "not base64!"}}
+    with pytest.raises(ApiException) as err:
+        backend.core.create_namespaced_secret(NS, secret)
+    assert err.value.status == 422 and "not base64" in err.value.body and "config key" in err.value.body
 
 
 def test_unreachable_api_server_is_transient(tmp_path) -> None:

@@ -1,6 +1,7 @@
 """The Kubernetes manifests of one attempt of the example job: upstream schema validation at two
 Kubernetes versions, the name/label rules the schemas miss, the Indexed-Job layout the worker's
-rendezvous relies on, and golden files (regenerate with DEEPFLEET_UPDATE_GOLDEN=1)."""
+rendezvous relies on, the worker token kept out of the Job (in an owned Secret), and golden files
+(regenerate with DEEPFLEET_UPDATE_GOLDEN=1)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from deepfleet.controller.backends.kubernetes import manifests, names
+from deepfleet.worker.spec import TOKEN_ENV
 from tests.controller.example_jobs import IMAGE, example_submission
 
 GOLDEN = Path(__file__).with_name("golden")
@@ -33,8 +35,18 @@ def test_manifests_pass_the_upstream_schemas_strictly(version: str, variant: str
         "kueue": {"kubernetes": {"kueueQueue": "team-a"}},
         "cpu-only": {"kubernetes": None, "resources": {"cpu": "1"}},
     }[variant]
-    for obj in _objects(**overrides):
+    objects = _objects(**overrides)
+    assert [o["kind"] for o in objects] == ["Job", "Secret", "Service"]
+    for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_schema_validation_catches_a_broken_secret(version: str) -> None:
+    secret = _objects()[1]
+    secret["stringdata"] = secret.pop("stringData")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(secret, version, strict=True)
 
 
 def test_schema_validation_catches_a_broken_manifest() -> None:
@@ -45,10 +57,10 @@ def test_schema_validation_catches_a_broken_manifest() -> None:
 
 
 def test_names_and_labels_fit_what_the_api_server_accepts() -> None:
-    job, svc = _objects()
-    for obj in (job, svc, job["spec"]["template"]):
+    job, secret, svc = _objects()
+    for obj in (job, secret, svc, job["spec"]["template"]):
         names.check_labels(obj["metadata"]["labels"], where=obj.get("kind", "pod template"))
-    for obj in (job, svc):
+    for obj in (job, secret, svc):
         names.check_dns_label(obj["metadata"]["name"], where=obj["kind"])
     nodes = job["spec"]["completions"]
     names.check_dns_label(names.pod_hostname(job["metadata"]["name"], nodes - 1), where="hostname")
@@ -56,6 +68,9 @@ def test_names_and_labels_fit_what_the_api_server_accepts() -> None:
     long = example_submission("kubernetes", nodes=128, attempt=99)
     long_job = manifests.job(replace(long, name="df-" + "a" * 40 + "-3f2a9c1e-a99"), namespace="default")
     assert long_job["spec"]["completions"] == 128 and len(long_job["metadata"]["name"]) == 56
+    long_secret = manifests.secret(replace(long, name="df-" + "a" * 40 + "-3f2a9c1e-a99"), namespace="default",
+                                   job_uid=None)
+    names.check_dns_label(long_secret["metadata"]["name"], where="secret name")
 
 
 def test_name_and_label_checks_reject_what_the_schemas_let_through() -> None:
@@ -72,10 +87,34 @@ def test_name_and_label_checks_reject_what_the_schemas_let_through() -> None:
     sub = example_submission("kubernetes")
     with pytest.raises(ValueError, match="job name"):
         manifests.job(replace(sub, name="Bad_Name"), namespace="default")
+    with pytest.raises(ValueError, match="secret name: '.*-token' is not a DNS-1123 label"):
+        manifests.job(replace(sub, name="x" * 60), namespace="default")
+
+
+def test_the_token_is_in_an_owned_secret_and_nowhere_in_the_job() -> None:
+    sub = example_submission("kubernetes")
+    token = sub.env[TOKEN_ENV]
+    assert len(token) >= 16
+    job, secret, svc = manifests.render(sub, namespace="default", job_uid=JOB_UID)
+    assert token not in json.dumps(job) and token not in json.dumps(svc)
+    env = job["spec"]["template"]["spec"]["containers"][0]["env"]
+    (var,) = [e for e in env if e["name"] == TOKEN_ENV]
+    assert var == {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{sub.name}-token", "key": TOKEN_ENV}}}
+    # Only the secret values move: everything else the submission sets stays a plain value (the WorkerSpec
+    # is re-rendered for the platform, see test_golden_files).
+    plain = {e["name"]: e["value"] for e in env if "value" in e}
+    assert set(sub.env) - {TOKEN_ENV} <= plain.keys()
+    assert all(plain[k] == v for k, v in sub.env.items() if k not in (TOKEN_ENV, "DEEPFLEET_WORKER_SPEC"))
+    assert secret["metadata"]["name"] == f"{sub.name}-token" and secret["metadata"]["namespace"] == "default"
+    assert secret["stringData"] == {TOKEN_ENV: token} and "data" not in secret
+    assert (secret["type"], secret["immutable"]) == ("Opaque", True)
+    assert secret["metadata"]["labels"] == svc["metadata"]["labels"]
+    assert secret["metadata"]["ownerReferences"] == svc["metadata"]["ownerReferences"] == [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": sub.name, "uid": JOB_UID, "blockOwnerDeletion": True}]
 
 
 def test_indexed_job_layout() -> None:
-    job, svc = _objects()
+    job, _, svc = _objects()
     spec = job["spec"]
     pod = spec["template"]["spec"]
     container = pod["containers"][0]
@@ -108,26 +147,30 @@ def test_indexed_job_layout() -> None:
 
 
 def test_kueue_queue_suspends_the_job_and_labels_it() -> None:
-    job, svc = _objects(kubernetes={"kueueQueue": "team-a"})
+    job, secret, svc = _objects(kubernetes={"kueueQueue": "team-a"})
     assert job["spec"]["suspend"] is True
     assert job["metadata"]["labels"][names.KUEUE_QUEUE] == "team-a"
-    assert names.KUEUE_QUEUE not in svc["metadata"]["labels"]
+    assert names.KUEUE_QUEUE not in svc["metadata"]["labels"] and names.KUEUE_QUEUE not in secret["metadata"]["labels"]
 
 
 def test_namespace_from_the_spec_wins_over_the_backend_default() -> None:
-    job, svc = manifests.render(example_submission("kubernetes", kubernetes={"namespace": "team-a"}), namespace="default")
-    assert job["metadata"]["namespace"] == svc["metadata"]["namespace"] == "team-a"
-    assert "ownerReferences" not in svc["metadata"]
+    job, secret, svc = manifests.render(example_submission("kubernetes", kubernetes={"namespace": "team-a"}),
+                                        namespace="default")
+    assert job["metadata"]["namespace"] == secret["metadata"]["namespace"] == svc["metadata"]["namespace"] == "team-a"
+    assert "ownerReferences" not in svc["metadata"] and "ownerReferences" not in secret["metadata"]
 
 
 def test_golden_files() -> None:
-    job, svc = _objects()
+    job, secret, svc = _objects()
     # The WorkerSpec's own fields belong to the worker's contract; the manifest only carries it (checked above).
     for var in job["spec"]["template"]["spec"]["containers"][0]["env"]:
         if var["name"] == "DEEPFLEET_WORKER_SPEC":
             assert json.loads(var["value"]) == json.loads(example_submission("kubernetes").env["DEEPFLEET_WORKER_SPEC"])
             var["value"] = "<the WorkerSpec as JSON>"
-    for name, obj in (("k8s-job.yaml", job), ("k8s-service.yaml", svc)):
+    # The token is an HMAC of the test secret (checked above); the golden file shows where it goes.
+    assert secret["stringData"][TOKEN_ENV] == example_submission("kubernetes").env[TOKEN_ENV]
+    secret["stringData"][TOKEN_ENV] = "<the job token>"
+    for name, obj in (("k8s-job.yaml", job), ("k8s-secret.yaml", secret), ("k8s-service.yaml", svc)):
         text = yaml.safe_dump(obj, sort_keys=True, width=100)
         path = GOLDEN / name
         if os.environ.get("DEEPFLEET_UPDATE_GOLDEN"):
@@ -137,7 +180,7 @@ def test_golden_files() -> None:
 
 
 def test_checkpoint_claim_is_mounted_at_the_checkpoint_dir_in_every_pod() -> None:
-    job, _ = _objects(kubernetes={"checkpointClaim": "gpt-ckpt"}, checkpoint={"dir": "/checkpoints/gpt", "everySteps": 10})
+    job, _, _ = _objects(kubernetes={"checkpointClaim": "gpt-ckpt"}, checkpoint={"dir": "/checkpoints/gpt", "everySteps": 10})
     pod = job["spec"]["template"]["spec"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "gpt-ckpt"}} in pod["volumes"]
     mounts = pod["containers"][0]["volumeMounts"]

@@ -118,4 +118,5 @@ def test_cancel_removes_the_job_and_its_pods(fake, setup) -> None:
         s.get(Job, job_id).desired_state = "cancel_requested"
     until(rec, sessions, job_id, lambda j: j.phase == "CANCELLED")
     assert fake.list("jobs", NS) == [] and fake.list("pods", NS) == [] and fake.list("services", NS) == []
+    assert fake.list("secrets", NS) == []
     assert all(c.query.get("propagationPolicy") == "Background" for c in fake.calls("DELETE"))

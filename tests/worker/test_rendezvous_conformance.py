@@ -4,8 +4,8 @@ node 0 as the master on the port that platform designates.
 
 * local: the real LocalBackend starts each node as a process that records its environment;
 * kubernetes: the env of the rendered Indexed-Job pods as the fake API server creates them (the manifest's
-  values, the downward-API namespace, JOB_COMPLETION_INDEX), with node 0's DNS name checked against the
-  index-0 pod's hostname and subdomain;
+  values, the downward-API namespace, the token from the run's Secret, JOB_COMPLETION_INDEX), with node
+  0's DNS name checked against the index-0 pod's hostname and subdomain;
 * azureml: the environment variables of the submitted command job plus what Azure ML's PyTorch
   distribution documents for each instance (MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, RANK,
   LOCAL_RANK; one process per instance).
@@ -13,6 +13,7 @@ node 0 as the master on the port that platform designates.
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ from deepfleet.controller.backends.base import RunPhase
 from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, connect
 from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.worker.rendezvous import Rendezvous, resolve
-from deepfleet.worker.spec import SPEC_ENV, load_worker_spec
+from deepfleet.worker.spec import SPEC_ENV, TOKEN_ENV, load_worker_spec
 from tests.controller.example_jobs import example_submission
 from tests.controller.fake_kube import FakeKubeAPI
 
@@ -50,27 +51,37 @@ def local_nodes(tmp_path: Path) -> tuple[list[Rendezvous], dict]:
     return [_resolve(e) for e in envs], json.loads((run / "state.json").read_text())
 
 
-def kubernetes_nodes(tmp_path: Path) -> tuple[list[Rendezvous], list[dict]]:
+def kubernetes_envs(tmp_path: Path) -> tuple[list[dict[str, str]], list[dict]]:
+    """The environment each pod's container gets, resolved as the kubelet does, and the pods."""
     fake = FakeKubeAPI().start()
     backend = KubernetesBackend(connect(fake.kubeconfig(tmp_path / "kubeconfig")), namespace="default")
     try:
         sub = example_submission("kubernetes", processesPerNode=PROCS)
         backend.submit(sub)
         pods = sorted(fake.list("pods", "default"), key=lambda p: p["spec"]["hostname"])
+        secrets = {s["metadata"]["name"]: s for s in fake.list("secrets", "default")}
     finally:
         backend.close()
         fake.stop()
-    nodes = []
+    envs = []
     for pod in pods:
         env = {}
         for var in pod["spec"]["containers"][0]["env"]:
             if "value" in var:
                 env[var["name"]] = var["value"]
+            elif "secretKeyRef" in var["valueFrom"]:
+                ref = var["valueFrom"]["secretKeyRef"]
+                env[var["name"]] = base64.b64decode(secrets[ref["name"]]["data"][ref["key"]]).decode()
             else:  # the downward API, as the kubelet resolves it
                 path = var["valueFrom"]["fieldRef"]["fieldPath"]
                 env[var["name"]] = pod["metadata"][path.split(".", 1)[1]]
-        nodes.append(_resolve(env))
-    return nodes, pods
+        envs.append(env)
+    return envs, pods
+
+
+def kubernetes_nodes(tmp_path: Path) -> tuple[list[Rendezvous], list[dict]]:
+    envs, pods = kubernetes_envs(tmp_path)
+    return [_resolve(env) for env in envs], pods
 
 
 def azureml_nodes() -> list[Rendezvous]:
@@ -133,3 +144,9 @@ def test_the_cloud_backends_pass_the_spec_the_worker_reads(platform: str, tmp_pa
     sub = example_submission(platform, processesPerNode=PROCS)
     assert {n.run_id for n in nodes} == {sub.worker_spec.run_id}
     assert json.loads(sub.env[SPEC_ENV])["platform"] == platform
+
+
+def test_kubernetes_pods_get_the_job_token_from_the_run_secret(tmp_path: Path) -> None:
+    envs, _ = kubernetes_envs(tmp_path)
+    sub = example_submission("kubernetes", processesPerNode=PROCS)
+    assert [env[TOKEN_ENV] for env in envs] == [sub.env[TOKEN_ENV]] * NODES

@@ -1,17 +1,19 @@
-"""The Kubernetes backend: one run = an Indexed Job plus a headless Service (see `manifests.py`).
+"""The Kubernetes backend: one run = an Indexed Job, a headless Service and a token Secret (see `manifests.py`).
 
 Called by `controller.reconciler` through the `Backend` protocol; built by the server from settings
 (`connect` loads a kubeconfig or the in-cluster service account into its own `ApiClient`, never the
 client's global configuration). Uses the official `kubernetes` client only; this sub-package is the
 only place that imports it.
 
-* submit: create the Job, then the Service with an ownerReference to the Job's uid. 409 AlreadyExists
-  on either is success (deterministic names make resubmission a no-op); a Job of that name that
-  belongs to another job id is an error.
+* submit: create the Job, then the Secret with the worker token and the Service, both with an
+  ownerReference to the Job's uid (pods that start before the Secret exists wait in
+  CreateContainerConfigError and the kubelet starts them once it does). 409 AlreadyExists on any of
+  them is success (deterministic names make resubmission a no-op); a Job of that name that belongs to
+  another job id is an error.
 * observe: GET the Job, read its pods from a list+watch cache (`watch.PodWatcher`; a direct list
   while the cache is not synced or lags behind a finished Job), map both with `status.observation`.
 * cancel: DELETE the Job with `propagationPolicy: Background`; the garbage collector removes the pods
-  and the owned Service. (Without a policy a batch/v1 Job delete *orphans* its pods.) 404 is success.
+  and the owned Service and Secret. (Without a policy a batch/v1 Job delete *orphans* its pods.) 404 is success.
 * logs: the container log of the newest pod of a node (`tailLines`, `follow`).
 
 Every client error is translated here: 5xx, 429 and connection failures are transient
@@ -137,6 +139,9 @@ class KubernetesBackend:
             if owner != sub.job_id:
                 raise BackendError(f"kubernetes: Job {ns}/{sub.name} exists and belongs to job {owner!r}, not "
                                    f"{sub.job_id}; delete it or rename the job", transient=False)
+        token = manifests.secret(sub, namespace=ns, job_uid=created.metadata.uid)
+        self._call(f"create Secret {ns}/{token['metadata']['name']}", self.core.create_namespaced_secret, ns, token,
+                   ok=(409,))
         svc = manifests.service(sub, namespace=ns, job_uid=created.metadata.uid)
         self._call(f"create Service {ns}/{sub.name}", self.core.create_namespaced_service, ns, svc, ok=(409,))
         self.watcher(ns)

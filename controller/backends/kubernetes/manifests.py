@@ -1,4 +1,5 @@
-"""Render one attempt of a job into Kubernetes objects: an Indexed batch/v1 Job and a headless Service.
+"""Render one attempt of a job into Kubernetes objects: an Indexed batch/v1 Job, a headless Service and a
+Secret holding the job-scoped worker token.
 
 Called by `backend.KubernetesBackend.submit` and by the golden-file tests. Pure functions of the
 `Submission` (no API calls, no client models): plain dicts in the API's camelCase JSON shape, which the
@@ -15,6 +16,9 @@ Layout of one run named `<name>` (the deterministic `run_name`, so a resubmissio
   as soon as the pods do (the rendezvous happens before anything is "ready"). It carries an
   ownerReference to the Job (set after the Job exists, see `service`), so deleting the Job with
   `propagationPolicy: Background` removes the pods and the Service in one call.
+* Secret `<name>-token`: the values of `SECRET_ENV` (the job-scoped `DEEPFLEET_TOKEN`), which the
+  container reads through `valueFrom.secretKeyRef`, so reading the Job (or its pods' specs) does not
+  reveal the token; every other variable stays a plain env value. Owned by the Job like the Service.
 * With `spec.kubernetes.kueueQueue` the Job is created suspended with Kueue's queue-name label and
   Kueue admits it (unsuspends it) when its quota allows.
 """
@@ -27,11 +31,13 @@ from typing import Any
 from deepfleet.controller.backends.base import Submission
 from deepfleet.controller.backends.kubernetes import names
 from deepfleet.controller.spec import KubernetesOptions, node_bounds
+from deepfleet.worker.spec import TOKEN_ENV
 
 CONTAINER = "worker"
 WORKER_COMMAND = ["deepfleet-worker"]
 DEFAULT_GRACE_SECONDS = 60  # covers the worker's default 30 s preemption checkpoint with margin
 SHM_PATH = "/dev/shm"
+SECRET_ENV = (TOKEN_ENV,)  # variables of the submission env that go into the Secret, not the Job
 
 
 def _options(sub: Submission) -> KubernetesOptions:
@@ -63,10 +69,19 @@ def labels(sub: Submission) -> dict[str, str]:
     return out
 
 
+def secret_name(run: str) -> str:
+    """The name of the Secret holding the run's secret env values."""
+    return f"{run}-token"
+
+
+def _secret_values(sub: Submission) -> dict[str, str]:
+    return {k: v for k, v in sorted(sub.env.items()) if k in SECRET_ENV}
+
+
 def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
     ws = sub.worker_spec
     fixed = {
-        **sub.env,
+        **{k: v for k, v in sub.env.items() if k not in SECRET_ENV},
         "DEEPFLEET_WORKER_SPEC": json.dumps(ws.model_dump(mode="json", exclude_none=True), sort_keys=True),
         # Read by worker/rendezvous.py (platform kubernetes); JOB_COMPLETION_INDEX comes from Kubernetes.
         "DEEPFLEET_K8S_JOB": sub.name,
@@ -75,6 +90,8 @@ def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
         "DEEPFLEET_MASTER_PORT": str(ws.rendezvous.port),
     }
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(fixed.items())]
+    env.extend({"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(sub.name), "key": k}}}
+               for k in _secret_values(sub))
     env.append({"name": "DEEPFLEET_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
     env.append({"name": "DEEPFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     return env
@@ -149,6 +166,7 @@ def job(sub: Submission, *, namespace: str) -> dict[str, Any]:
     nodes = node_count(sub)
     names.check_dns_label(sub.name, where="job name")
     names.check_dns_label(names.pod_hostname(sub.name, nodes - 1), where="pod hostname")
+    names.check_dns_label(secret_name(sub.name), where="secret name")
     names.check_dns_label(namespace, where="spec.kubernetes.namespace")
     lab = labels(sub)
     names.check_labels(lab, where="job")
@@ -171,16 +189,23 @@ def job(sub: Submission, *, namespace: str) -> dict[str, Any]:
     }
 
 
+def _owned_metadata(sub: Submission, *, name: str, namespace: str, job_uid: str | None) -> dict[str, Any]:
+    """Metadata of an object the Job owns: the run's labels (less Kueue's) and, with `job_uid`, the
+    ownerReference that lets the Background delete of the Job remove it."""
+    lab = labels(sub)
+    lab.pop(names.KUEUE_QUEUE, None)  # Kueue manages workloads, not Services or Secrets
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": lab}
+    if job_uid is not None:
+        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": sub.name, "uid": job_uid,
+                                    "blockOwnerDeletion": True}]
+    return meta
+
+
 def service(sub: Submission, *, namespace: str, job_uid: str | None) -> dict[str, Any]:
     """The headless Service that gives every pod `<hostname>.<name>.<namespace>.svc`.
 
     `job_uid`: the created Job's uid, for the ownerReference (None only when rendering for review)."""
-    lab = labels(sub)
-    lab.pop(names.KUEUE_QUEUE, None)  # Kueue manages workloads, not Services
-    meta: dict[str, Any] = {"name": sub.name, "namespace": namespace, "labels": lab}
-    if job_uid is not None:
-        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": sub.name, "uid": job_uid,
-                                    "blockOwnerDeletion": True}]
+    meta = _owned_metadata(sub, name=sub.name, namespace=namespace, job_uid=job_uid)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -195,7 +220,25 @@ def service(sub: Submission, *, namespace: str, job_uid: str | None) -> dict[str
     }
 
 
+def secret(sub: Submission, *, namespace: str, job_uid: str | None) -> dict[str, Any]:
+    """The Opaque Secret `<name>-token` with the run's `SECRET_ENV` values (one key per variable name).
+
+    Sent as `stringData`; the API server stores it base64-encoded in `data`. Immutable: a new attempt
+    gets a new Secret. `job_uid` as for `service`."""
+    name = secret_name(sub.name)
+    names.check_dns_label(name, where="secret name")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _owned_metadata(sub, name=name, namespace=namespace, job_uid=job_uid),
+        "type": "Opaque",
+        "immutable": True,
+        "stringData": _secret_values(sub),
+    }
+
+
 def render(sub: Submission, *, namespace: str, job_uid: str | None = None) -> list[dict[str, Any]]:
-    """[Job, Service] of one attempt, in the order `submit` creates them."""
+    """[Job, Secret, Service] of one attempt, in the order `submit` creates them."""
     ns = namespace_of(sub, default=namespace)
-    return [job(sub, namespace=ns), service(sub, namespace=ns, job_uid=job_uid)]
+    return [job(sub, namespace=ns), secret(sub, namespace=ns, job_uid=job_uid),
+            service(sub, namespace=ns, job_uid=job_uid)]

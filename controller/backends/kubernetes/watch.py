@@ -57,7 +57,10 @@ class PodWatcher:
             # watch's timeoutSeconds runs out.
             resp = getattr(self._watch, "_resp", None)
             if resp is not None and hasattr(resp, "shutdown"):
-                resp.shutdown()
+                try:
+                    resp.shutdown()
+                except OSError:  # the stream's socket is already closed or not yet connected: nothing to unblock
+                    pass
         if self._thread is not None:
             self._thread.join(timeout=1)  # a daemon: a stream still open ends at its timeout
 
