@@ -84,7 +84,40 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.double() for n in norms])  # a handful of scalars; float64 keeps ratios exact
 
 
-class Lamb(torch.optim.Optimizer):
+class _ChunkedOptimizer(torch.optim.Optimizer):
+    """The step loop Lamb and Lion share: lazily create each parameter's state (a step counter and one
+    zero buffer per name in `_state_keys`), then update the group's parameters in one foreach chunk, or
+    one parameter at a time when the group sets `foreach=False`. Subclasses write `_update`."""
+
+    _state_keys: tuple[str, ...] = ()
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = _params_with_grad(group)
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    for key in self._state_keys:
+                        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            chunks = [params] if group["foreach"] else [[p] for p in params]
+            for chunk in chunks:
+                self._update(chunk, group)
+        return loss
+
+    def _update(self, params: list[torch.Tensor], group: dict) -> None:
+        raise NotImplementedError
+
+
+
+class Lamb(_ChunkedOptimizer):
     """LAMB: Adam's update rescaled per tensor by the trust ratio ||w|| / ||update|| (You et al., 2019).
 
     Per tensor, with m and v the bias-corrected moment estimates:
@@ -101,26 +134,7 @@ class Lamb(torch.optim.Optimizer):
                         eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff, foreach=foreach)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch's signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = _params_with_grad(group)
-            if not params:
-                continue
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            chunks = [params] if group["foreach"] else [[p] for p in params]
-            for chunk in chunks:
-                self._update(chunk, group)
-        return loss
+    _state_keys = ("exp_avg", "exp_avg_sq")
 
     def _update(self, params: list[torch.Tensor], group: dict) -> None:
         beta1, beta2 = group["betas"]
@@ -157,7 +171,7 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_add_(params, update, alpha=-group["lr"])
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(_ChunkedOptimizer):
     """Lion: the sign of an interpolated momentum (Chen et al., 2023).
 
     ``c = b1 * m + (1 - b1) * g``; ``w = w * (1 - lr * weight_decay) - lr * sign(c)``;
@@ -169,25 +183,7 @@ class Lion(torch.optim.Optimizer):
         _check_hparams(lr, betas, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=foreach))
 
-    @torch.no_grad()
-    def step(self, closure=None):  # noqa: ANN001 - torch's signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = _params_with_grad(group)
-            if not params:
-                continue
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            chunks = [params] if group["foreach"] else [[p] for p in params]
-            for chunk in chunks:
-                self._update(chunk, group)
-        return loss
+    _state_keys = ("exp_avg",)
 
     def _update(self, params: list[torch.Tensor], group: dict) -> None:
         beta1, beta2 = group["betas"]
