@@ -116,7 +116,6 @@ class _ChunkedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
 
-
 class Lamb(_ChunkedOptimizer):
     """LAMB: Adam's update rescaled per tensor by the trust ratio ||w|| / ||update|| (You et al., 2019).
 
