@@ -67,7 +67,12 @@ def _normal_code(code: int) -> int:
 
 def exit_code_for_failures(codes: Iterable[int]) -> int:
     """The worker's exit code for a failed group, from the failed ranks' exit statuses. Pure."""
-    normal = [_normal_code(c) for c in codes if c != 0]
+    # A training process that exited with a status of its own (not ours, not a signal) is the user's
+    # code failing: count it as a user error before ranking, so a peer's follow-on abort cannot outrank it.
+    normal = [
+        c if c in _CONTRACT_CODES or c > 128 else int(ExitCode.USER_ERROR)
+        for c in (_normal_code(c) for c in codes if c != 0)
+    ]
     if not normal:
         return int(ExitCode.SUCCEEDED)
     if all(c == ExitCode.PREEMPTED for c in normal):

@@ -41,6 +41,7 @@ WORKER = [sys.executable, "-m", "deepfleet.worker.cli"]
         ([77, 76, 65], 77),
         ([64, 77], 64),
         ([1, 0], 65),  # a non-contract status is a user error
+        ([3, -6], 65),  # the script exited 3; its peer then aborted in a broken collective (SIGABRT)
         ([75, 76], 76),  # preemption counts only when every failed rank stopped resumably
     ],
 )
