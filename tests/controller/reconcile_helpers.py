@@ -3,6 +3,7 @@ records them, and a reconciler on the local backend running the fake worker."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
@@ -76,4 +77,28 @@ def drive(rec: Reconciler, sessions: sessionmaker[Session], job_id: str, phases:
     raise AssertionError(f"job never reached {phases}: {current.phase} {current.message} {events(sessions, job_id)}")
 
 
-__all__ = ["database", "drive", "events", "insert_job", "job", "job_document", "reconciler"]
+def starts(tmp_path: Path, run: str, node: int = 0) -> int:
+    """How many times node `node` of backend run `run` was started (the worker logs one line per start)."""
+    log = tmp_path / "logs" / run / f"node-{node}.log"
+    return log.read_text().count(f"fake worker node {node} attempt") if log.exists() else 0
+
+
+def run_replicas_until_succeeded(replicas: list[Reconciler], sessions: sessionmaker[Session], ids: list[str], *,
+                                 interval_s: float, timeout_s: float = 60.0) -> None:
+    """Run every replica's loop in its own thread until all `ids` SUCCEEDED (or the timeout), then stop them."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=r.run, args=(stop,), kwargs={"interval_s": interval_s}) for r in replicas]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(job(sessions, j).phase != "SUCCEEDED" for j in ids):
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+
+
+__all__ = ["database", "drive", "events", "insert_job", "job", "job_document", "reconciler",
+           "run_replicas_until_succeeded", "starts"]

@@ -3,7 +3,6 @@ the failure ladder, cancel, admission, crash safety and two replicas on one data
 
 from __future__ import annotations
 
-import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -21,17 +20,13 @@ from tests.controller.reconcile_helpers import (
     job,
     job_document,
     reconciler,
+    run_replicas_until_succeeded,
+    starts,
 )
 
 
 def sqlite(tmp_path: Path):
     return database(f"sqlite:///{tmp_path / 'db.sqlite'}")
-
-
-def starts(tmp_path: Path, run: str, node: int = 0) -> int:
-    """How many times node `node` of backend run `run` was started (the worker logs one line per start)."""
-    log = tmp_path / "logs" / run / f"node-{node}.log"
-    return log.read_text().count(f"fake worker node {node} attempt") if log.exists() else 0
 
 
 def test_submitted_job_is_admitted_runs_and_succeeds(tmp_path: Path) -> None:
@@ -163,18 +158,7 @@ def test_two_replicas_on_one_database_run_each_job_exactly_once(tmp_path: Path) 
     sessions = sqlite(tmp_path)
     ids = [insert_job(sessions, job_document(f"j{i}", args=["--steps", "3"], nodes=1)) for i in range(6)]
     replicas = [reconciler(sessions, tmp_path, replica=f"r{i}") for i in range(2)]
-    stop = threading.Event()
-    threads = [threading.Thread(target=r.run, args=(stop,), kwargs={"interval_s": 0.05}) for r in replicas]
-    for t in threads:
-        t.start()
-    try:
-        deadline = datetime.now(timezone.utc) + timedelta(seconds=60)
-        while datetime.now(timezone.utc) < deadline and any(job(sessions, j).phase != "SUCCEEDED" for j in ids):
-            stop.wait(0.1)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=30)
+    run_replicas_until_succeeded(replicas, sessions, ids, interval_s=0.05)
     assert [job(sessions, j).phase for j in ids] == ["SUCCEEDED"] * 6
     for i, j in enumerate(ids):
         assert starts(tmp_path, f"df-j{i}-{j[:8]}-a0") == 1

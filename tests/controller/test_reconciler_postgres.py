@@ -3,8 +3,6 @@ threads over one database run each job exactly once, and a dead replica's claims
 
 from __future__ import annotations
 
-import threading
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -20,6 +18,8 @@ from tests.controller.reconcile_helpers import (
     job,
     job_document,
     reconciler,
+    run_replicas_until_succeeded,
+    starts,
 )
 
 
@@ -30,26 +30,10 @@ def sessions(db_url: str):
     factory.kw["bind"].dispose()
 
 
-def starts(tmp_path: Path, run: str) -> int:
-    log = tmp_path / "logs" / run / "node-0.log"
-    return log.read_text().count("fake worker node 0 attempt") if log.exists() else 0
-
-
 def test_three_replicas_run_each_job_exactly_once(sessions, tmp_path: Path) -> None:
     ids = [insert_job(sessions, job_document(f"pg{i}", args=["--steps", "2"], nodes=1)) for i in range(9)]
     replicas = [reconciler(sessions, tmp_path, replica=f"r{i}") for i in range(3)]
-    stop = threading.Event()
-    threads = [threading.Thread(target=r.run, args=(stop,), kwargs={"interval_s": 0.02}) for r in replicas]
-    for t in threads:
-        t.start()
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(job(sessions, j).phase != "SUCCEEDED" for j in ids):
-            time.sleep(0.1)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=30)
+    run_replicas_until_succeeded(replicas, sessions, ids, interval_s=0.02)
     assert [job(sessions, j).phase for j in ids] == ["SUCCEEDED"] * 9
     for i, j in enumerate(ids):
         assert starts(tmp_path, f"df-pg{i}-{j[:8]}-a0") == 1
