@@ -6,11 +6,9 @@ and SIGTERM become exit codes 65, 77 and 75."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +23,9 @@ from deepfleet.worker.agent import (
 from deepfleet.worker.rendezvous import resolve
 from deepfleet.worker.spec import WorkerSpecError, parse_worker_spec
 from tests.spawn import free_port
+from tests.worker.run_worker import WORKER, run_worker
 
 SCRIPT = Path(__file__).with_name("elastic_script.py")
-WORKER = [sys.executable, "-m", "deepfleet.worker.cli"]
 
 
 @pytest.mark.parametrize(
@@ -99,24 +97,7 @@ def test_launch_config_and_child_environment(tmp_path: Path) -> None:
 
 
 def _run_worker(spec: dict, *, timeout: float = 150, on_line=None) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    with subprocess.Popen([*WORKER, "--spec", json.dumps(spec)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as proc:
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                if on_line is not None:
-                    on_line(proc, line)
-                if time.monotonic() > deadline:
-                    raise TimeoutError("worker did not finish:\n" + "".join(lines[-40:]))
-            return proc.wait(timeout=30), "".join(lines)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    return run_worker(spec, timeout=timeout, wait_s=30, on_line=on_line)
 
 
 def _steps(log: str) -> list[tuple[int, int, int, float]]:

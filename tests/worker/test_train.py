@@ -20,6 +20,7 @@ import pytest
 
 from tests.spawn import free_port
 from tests.worker.http_sink import running_sink
+from tests.worker.run_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_STEPS = 8
@@ -44,25 +45,7 @@ def _spec(ckpt: Path, *, sleep_s: float = 0.0, every: int = 0, **over: object) -
 
 
 def _run(spec: dict, *, on_line=None, timeout: float = 240, extra_env: dict | None = None) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    with subprocess.Popen([sys.executable, "-m", "deepfleet.worker.cli", "--spec", json.dumps(spec)], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                          start_new_session=True) as proc:
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                if on_line is not None:
-                    on_line(proc, line)
-                if time.monotonic() > deadline:
-                    raise TimeoutError("worker did not finish:\n" + "".join(lines[-40:]))
-            return proc.wait(timeout=60), "".join(lines)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    return run_worker(spec, timeout=timeout, wait_s=60, on_line=on_line, extra_env=extra_env)
 
 
 def _weights(ckpt: Path, tag: str, tmp: Path) -> dict:
