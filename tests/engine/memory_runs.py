@@ -20,10 +20,10 @@ BUCKET_FRACTION = 16  # reduce_bucket_size = P / 16: the transient flat buffer i
 
 
 def _batch(step: int, micro: int, rank: int):
+    import torch
+
     from examples.gpt.model import SyntheticTokens
     from tests.engine.zero_runs import MODEL
-
-    import torch
 
     data = SyntheticTokens(num_samples=MICRO, seq_len=MODEL.seq_len, vocab_size=MODEL.vocab_size,
                            seed=100 + 31 * step + 7 * micro + rank)

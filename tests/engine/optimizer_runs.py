@@ -12,8 +12,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-
 from tests.engine.zero_runs import GAS, MICRO, STEPS, global_batches, make_model, micro_batch
 from tests.spawn import spawn
 
