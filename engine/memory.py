@@ -57,6 +57,29 @@ def strategy_memory(sharding: ZeroStrategy) -> dict[str, int]:
     return model_state_bytes(sharding.model_state_tensors())
 
 
+def _fsdp_unsharded(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """FSDP2's unsharded parameters and gradients, wherever `fully_shard` was applied under `module`
+    (stage 3): all-gathered parameters while a unit is unsharded, and the unsharded gradients FSDP2
+    accumulates while gradient sync is off. They are model state while they live but no public API
+    lists them, so this reads FSDP2's per-parameter records (`FSDPParam`); a freed storage has 0 bytes
+    and is skipped by `storage_bytes`."""
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    for m in module.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+        for fsdp_param in getattr(group, "fsdp_params", None) or []:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                params.append(unsharded)
+                if unsharded.grad is not None:
+                    grads.append(unsharded.grad)
+            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if accumulated is not None:
+                grads.append(accumulated)
+    return params, grads
+
+
 class HighWater:
     """The high-water mark of this rank's model-state bytes over a step, from real storages.
 
@@ -88,7 +111,10 @@ class HighWater:
         tensors = self._strategy.model_state_tensors()
         # The module's current parameters too: at stage 3 FSDP2 swaps the gathered (unsharded)
         # parameters in while a unit is unsharded, and they are model state while they live.
-        tensors["params"] = [*tensors.get("params", []), *self._strategy.module.parameters()]
+        module = self._strategy.module
+        unsharded_params, unsharded_grads = _fsdp_unsharded(module)
+        tensors["params"] = [*tensors.get("params", []), *module.parameters(), *unsharded_params]
+        tensors["grads"] = [*tensors.get("grads", []), *unsharded_grads]
         report = model_state_bytes(tensors)
         if report["total"] > self._peak:
             self._peak, self.peak_report, self.peak_point = report["total"], report, point
