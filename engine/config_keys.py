@@ -137,8 +137,11 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "zero_optimization.elastic_checkpoint": Unsupported(_one_of(False, True)),  # loads at any world size
     "zero_optimization.load_from_fp32_weights": Unsupported(_equals(True)),
     "zero_optimization.ignore_unused_parameters": Unsupported(_equals(True)),
+    "zero_optimization.compute_grad_norm": Unsupported(_equals(True)),  # the global norm is always computed
+    "zero_optimization.parameter_alignment": Unsupported(_equals(False)),
     "zero_optimization.legacy_stage1": Unsupported(_equals(False)),
-    "zero_optimization.use_multi_rank_bucket_allreduce": Unsupported(_one_of(True, False)),  # one rank per bucket
+    # how DeepSpeed reduces buckets when reduce_scatter is off; the averaged gradients are the same either way
+    "zero_optimization.use_multi_rank_bucket_allreduce": Unsupported(_one_of(True, False)),
     "zero_optimization.zero_hpz_partition_size": Unsupported(_equals(1)),
     "zero_optimization.zero_quantized_weights": Unsupported(_equals(False)),
     "zero_optimization.zero_quantized_nontrainable_weights": Unsupported(_equals(False)),

@@ -38,8 +38,8 @@ class OffloadParamConfig(ConfigSection):
 
     device: OffloadDevice = "none"
     """Where parameter shards live: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
-    pin_memory: Bool = False
-    """Page-locked host buffers (faster host<->device copies, uses locked memory)."""
+    pin_memory: Bool = True
+    """Page-locked host buffers (faster host<->device copies, uses locked memory); DeepSpeed's default."""
     nvme_path: str | None = None
     """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
     buffer_count: Int = Field(5, ge=0)
@@ -55,8 +55,8 @@ class OffloadOptimizerConfig(ConfigSection):
 
     device: OffloadDevice = "none"
     """Where optimizer state lives: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
-    pin_memory: Bool = False
-    """Page-locked host buffers (faster host<->device copies, uses locked memory)."""
+    pin_memory: Bool = True
+    """Page-locked host buffers (faster host<->device copies, uses locked memory); DeepSpeed's default."""
     nvme_path: str | None = None
     """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
     buffer_count: Int = Field(4, ge=0)

@@ -128,3 +128,17 @@ def test_activation_checkpointing_section_with_every_option_off_is_accepted() ->
     for bad in ({**off, "partition_activations": True}, {**off, "number_checkpoints": 4}, {"unknown": False}):
         with pytest.raises(ConfigError, match=r"^activation_checkpointing: not supported yet; drop the section"):
             load_config({**BASE, "activation_checkpointing": bad})
+
+
+def test_offload_pin_memory_defaults_to_deepspeeds_true() -> None:
+    cfg = load_config({**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                     "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.zero_optimization.offload_param.pin_memory is True
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is True
+
+
+def test_zero_keys_deepspeed_knows_are_not_unknown() -> None:
+    load_config({**BASE, "zero_optimization": {"compute_grad_norm": True, "parameter_alignment": False}})
+    with pytest.raises(ConfigError) as e:
+        load_config({**BASE, "zero_optimization": {"compute_grad_norm": False}})
+    assert e.value.errors == ["zero_optimization.compute_grad_norm: not supported yet; drop it"]
