@@ -54,8 +54,8 @@ NO_OPS: dict[str, NoOp] = {
         "parameter's own shard, so there is no flat group to tile."
     ),
     "zero_optimization.stage3_prefetch_bucket_size": NoOp(
-        "FSDP2 prefetches the next block's all-gather during the current block's forward and backward; the "
-        "amount is one block, not a number of elements."
+        "FSDP2 all-gathers one wrapped block at a time and overlaps the next block's all-gather by its own "
+        "prefetch policy; how far ahead is not set in elements."
     ),
     "zero_optimization.stage3_param_persistence_threshold": NoOp(
         "FSDP2 shards every parameter of each wrapped block; small parameters are not kept whole."
