@@ -2,7 +2,8 @@
 
 Called by `engine.initialize`. `build_training(...)` takes the user's model (fp32, on its device), the
 resolved config and the user's optional optimizer/scheduler objects or factories, and returns what the
-engine sequences: the precision policy, the ZeRO strategy, the optimizer and the LR scheduler.
+engine sequences: the precision policy, the ZeRO strategy, the optimizer, the LR scheduler and the
+step sinks that receive each optimizer step's `StepMetrics`.
 The stage picks its strategy class from `STRATEGIES`; nothing else here branches on a feature.
 
 `prescale_gradients` and `gradient_predivide_factor` only move where DeepSpeed divides by the world size
@@ -20,9 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from deepfleet.engine.metrics import StepSink, sinks_from_env
 from deepfleet.engine.precision import Precision, build_precision
+from deepfleet.engine.progress import ProgressLog
 from deepfleet.engine.zero.base import StrategyFactory, ZeroStrategy
 
 # zero_optimization.stage -> the strategy class ("module:Class"), imported only when used.
@@ -42,6 +46,7 @@ class Training:
     sharding: ZeroStrategy
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any  # a torch LRScheduler, a user scheduler with .step(), or None
+    sinks: list[StepSink]  # called in order with every optimizer step's StepMetrics
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -61,7 +66,8 @@ def build_training(
     lr_scheduler: Any = None,
     process_group: Any = None,
 ) -> Training:
-    """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order."""
+    """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order, and
+    compose the step sinks."""
     _check_one_source("optimizer", config.optimizer, optimizer)
     _check_one_source("scheduler", config.scheduler, lr_scheduler)
     _check_offload(model, config.zero_optimization)
@@ -87,8 +93,20 @@ def build_training(
     opt = _optimizer(optimizer, sharding.optimizer_param_groups(groups), config)
     sharding.bind_optimizer(opt)
 
-    # 5. The LR schedule last: it records the optimizer's initial learning rates.
-    return Training(precision, sharding, opt, _lr_scheduler(lr_scheduler, opt, config))
+    # 5. The LR schedule after the optimizer: it records the optimizer's initial learning rates.
+    scheduler = _lr_scheduler(lr_scheduler, opt, config)
+
+    # 6. The step sinks: the progress line first (it is what a user watches), then the sinks the
+    #    environment names (the worker's heartbeat for script jobs), built after the process group
+    #    exists so a factory can ask for its rank.
+    return Training(precision, sharding, opt, scheduler, step_sinks(config))
+
+
+def step_sinks(config: Any) -> list[StepSink]:
+    """The sinks every engine gets: the progress log line, then those named by DEEPFLEET_STEP_SINKS."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    progress = ProgressLog(config.steps_per_print, wall_clock_breakdown=config.wall_clock_breakdown, rank=rank)
+    return [progress, *sinks_from_env()]
 
 
 def _check_one_source(key: str, configured: Any, given: Any) -> None:
