@@ -184,6 +184,35 @@ class DeepFleetEngine(nn.Module):
             load_module_only=load_module_only,
         )
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`zero_optimization.stage3_gather_16bit_weights_on_model_save` (what HF/Accelerate ask)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def save_16bit_model(
+        self, save_dir: str | Path, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the model's weights in the compute dtype as a plain state dict (rank 0); every rank must
+        call it. At stage 3 only with `stage3_gather_16bit_weights_on_model_save`, else returns False."""
+        from deepfleet.engine.checkpoint.model_file import save_16bit_model
+
+        return save_16bit_model(
+            self.module, save_dir, save_filename, dtype=self.precision.compute_dtype,
+            gather_sharded=self.zero_gather_16bit_weights_on_model_save(),
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+
+    def save_fp16_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Stage 3: the full state dict in the compute dtype on rank 0 (None elsewhere); collective."""
+        from deepfleet.engine.checkpoint.model_file import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(
+            self.module, dtype=self.precision.compute_dtype, exclude_frozen_parameters=exclude_frozen_parameters
+        )
+
     # --- logging ---------------------------------------------------------------------------------
 
     @contextmanager
