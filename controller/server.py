@@ -61,7 +61,10 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
     out: list[tuple[Backend, Limit]] = []
     for name in settings.backends:
         if name == "local":
-            local = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command)
+            local = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command,
+                                 jobs_dir=settings.jobs_root, run_as=settings.run_as,
+                                 env_passthrough=tuple(settings.local_env_passthrough),
+                                 factory_modules=tuple(settings.factory_modules))
             out.append((local, Limit(processes=slots)))
         elif name == "kubernetes":
             from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, connect
