@@ -31,6 +31,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from deepfleet.controller.bounds import DocumentTooLarge, check_yaml_node
+
 API_VERSION = "deepfleet/v1"
 KIND = "TrainingJob"
 
@@ -467,11 +469,19 @@ def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool 
 
     A relative `spec.engine` path resolves against `base_dir` (default: the working directory).
     """
+    loader = _StrictLoader(text)
     try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is not None:
+            check_yaml_node(node)  # before any object is built: an alias bomb stops here
+        document = loader.construct_document(node) if node is not None else None
+    except DocumentTooLarge as e:
+        raise SpecError([str(e)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError([f"(document): malformed YAML{where}: {problem}; fix the syntax"]) from None
+    finally:
+        loader.dispose()
     return validate_job(document, base_dir=base_dir, read_files=read_files)
