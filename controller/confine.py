@@ -72,25 +72,41 @@ def job_area_path(jobs_dir: Path, *, project: str, job_id: str) -> JobArea:
     return JobArea(project=project, root=Path(jobs_dir) / project / job_id)
 
 
-def job_area(jobs_dir: Path, *, project: str, job_id: str, owner: str | int | None = None) -> JobArea:
-    """Create (idempotently) the area of `job_id`, owned by `owner` (a user name or uid; None: ours)."""
+def user_ids(user: str | int) -> tuple[int, int]:
+    """(uid, gid) of a user name, or of a bare uid ("60001": uid and gid 60001, no passwd entry needed)."""
+    if isinstance(user, int) or str(user).isdigit():
+        return int(user), int(user)
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfineError(f"no user {user!r} to run jobs as; create it or give a uid") from None
+    return entry.pw_uid, entry.pw_gid
+
+
+def job_area(jobs_dir: Path, *, project: str, job_id: str, owner: tuple[int, int] | None = None) -> JobArea:
+    """Create (idempotently) the area of `job_id`, owned by `owner` (uid, gid; None: ours)."""
     area = job_area_path(jobs_dir, project=project, job_id=job_id)
     for parent in (Path(jobs_dir), area.root.parent):
         parent.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(parent, 0o711)
-    uid = gid = -1
-    if owner is not None:
-        import pwd
-
-        entry = pwd.getpwuid(owner) if isinstance(owner, int) else pwd.getpwnam(owner)
-        uid, gid = entry.pw_uid, entry.pw_gid
     for d in (area.root, area.work, area.tmp, area.checkpoints, area.status):
         d.mkdir(mode=0o700, exist_ok=True)
         if d.is_symlink():
             raise ConfineError(f"{d} is a symlink; the job area must be the controller's own directory")
-        if uid != -1:
-            os.chown(d, uid, gid, follow_symlinks=False)
+        if owner is not None:
+            os.chown(d, *owner, follow_symlinks=False)
     return area
+
+
+def closed_ancestor(path: Path) -> Path | None:
+    """The first existing directory above `path` that other users cannot enter (mode lacks o+x), or None.
+    A job run as another user cannot reach its area below such a directory."""
+    for parent in [*reversed(Path(path).absolute().parents), Path(path).absolute()]:
+        if parent.is_dir() and not parent.stat().st_mode & 0o001:
+            return parent
+    return None
 
 
 def code_dir_for(template: str, *, project: str) -> Path:

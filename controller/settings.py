@@ -22,7 +22,7 @@ ENV_PREFIX = "DEEPFLEET_"
 ENV_ALIASES = {"DB_URL": "database_url", "BACKEND": "backends", "RECONCILE_INTERVAL": "reconcile_interval_s",
                "PUBLIC_URL": "controller_url"}
 
-_LISTS = {"backends", "local_env_passthrough", "factory_modules"}  # comma-separated in the environment
+_LISTS = {"backends", "local_env_passthrough", "factory_modules", "local_project_users"}  # comma-separated in the environment
 
 
 def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -82,6 +82,9 @@ class Settings(BaseModel):
     local_user: str | None = "nobody"
     """Local backend, when the controller runs as root: the unprivileged user jobs run as (env
     DEEPFLEET_LOCAL_USER; empty keeps root, which lets any job act as the controller)."""
+    local_project_users: list[str] = []
+    """Local backend, when root: `project=user` pairs (comma-separated; a user name or a bare uid) so each
+    project's jobs run as their own user and cannot see another project's processes or files."""
     local_env_passthrough: list[str] = ["PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS"]
     """Local backend: the controller's variables a job's processes also get (comma-separated); nothing
     else of the controller's environment reaches a job."""
@@ -113,6 +116,22 @@ class Settings(BaseModel):
     def run_as(self) -> str | None:
         """The user local jobs run as: `local_user` when the controller is root, else the controller's own."""
         return self.local_user if self.local_user and os.geteuid() == 0 else None
+
+    @property
+    def project_users(self) -> dict[str, str]:
+        """`local_project_users` as a mapping, when the controller is root (else none apply)."""
+        if os.geteuid() != 0:
+            return {}
+        return dict(pair.split("=", 1) for pair in self.local_project_users)
+
+    @field_validator("local_project_users")
+    @classmethod
+    def _pairs(cls, pairs: list[str]) -> list[str]:
+        for pair in pairs:
+            project, sep, user = pair.partition("=")
+            if not sep or not project or not user:
+                raise ValueError(f"{pair!r} is not project=user; write pairs like alpha=df-alpha,beta=60002")
+        return pairs
 
     @property
     def logs_root(self) -> Path:

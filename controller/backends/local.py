@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from deepfleet.controller.backends.base import BackendError, Observation, RunPhase, Submission
@@ -47,6 +47,7 @@ from deepfleet.controller.confine import (
     job_area,
     job_area_path,
     resolve_inside,
+    user_ids,
 )
 from deepfleet.worker.spec import FACTORY_MODULES_ENV, SPEC_ENV, FailureClass, classify_exit
 
@@ -126,6 +127,7 @@ class LocalBackend:
         workdir: Path | str | None = None,
         jobs_dir: Path | None = None,
         run_as: str | int | None = None,
+        project_users: Mapping[str, str] | None = None,
         env_passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH,
         factory_modules: tuple[str, ...] = (),
         worker_command: list[str] | None = None,
@@ -135,13 +137,15 @@ class LocalBackend:
     ) -> None:
         """`workdir`: the code directory scripts and factories resolve in (`{project}` in it names the
         project's own); `jobs_dir`: where job areas live (default `<logs_dir>/../jobs`); `run_as`: the user
-        (name or uid) that runs jobs, None for the controller's own; `factory_modules`: module prefixes a
+        (name or uid) that runs jobs, None for the controller's own; `project_users`: a user per project instead
+        of `run_as` (jobs of different projects then cannot see each other's processes or files); `factory_modules`: module prefixes a
         factory may also name besides the code directory's own modules (admin allow-list)."""
         self.logs_dir = Path(logs_dir)
         self.slots = slots
         self.workdir = str(workdir) if workdir else str(Path.cwd())
         self.jobs_dir = Path(jobs_dir) if jobs_dir else self.logs_dir.parent / "jobs"
         self.run_as = run_as
+        self.project_users = dict(project_users or {})
         self.env_passthrough = tuple(env_passthrough)
         self.factory_modules = tuple(factory_modules)
         self.worker_command = worker_command or default_worker_command()
@@ -152,6 +156,10 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ paths and state
     def run_dir(self, name: str) -> Path:
+        if not self.logs_dir.is_dir():
+            self.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.logs_dir.stat().st_mode & 0o077:
+            os.chmod(self.logs_dir, 0o700)  # jobs must not list or read other runs' logs and state
         return self.logs_dir / name
 
     def log_path(self, name: str, node: int) -> Path:
@@ -185,8 +193,9 @@ class LocalBackend:
                 os.replace(log, log.with_name(log.name + ".interrupted"))
         project = sub.spec.metadata.project
         try:
-            area = job_area(self.jobs_dir, project=project, job_id=sub.job_id, owner=self.run_as)
-            ws = self._confined_spec(sub, area)
+            owner = self._owner(project)
+            area = job_area(self.jobs_dir, project=project, job_id=sub.job_id, owner=owner)
+            ws = self._confined_spec(sub, area, owner=owner)
         except ConfineError as e:
             raise BackendError(f"local run {sub.name}: {e}", transient=False) from e
         nodes = sub.worker_spec.nodes.max
@@ -202,7 +211,7 @@ class LocalBackend:
         self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
         base = {**self._passthrough(), **sub.env, **self._area_env(area),
                 SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)), RUN_ENV: sub.name}
-        user = self._user()
+        user = {"user": owner[0], "group": owner[1], "extra_groups": []} if owner else {}
         try:
             for node in range(nodes):
                 env = {
@@ -307,7 +316,7 @@ class LocalBackend:
                 self._sleep(0.2)
 
     # ------------------------------------------------------------------ confinement
-    def _confined_spec(self, sub: Submission, area: JobArea):
+    def _confined_spec(self, sub: Submission, area: JobArea, *, owner: tuple[int, int] | None):
         """The WorkerSpec with the script and checkpoint paths resolved inside the code directory and the
         job area. Raises ConfineError when a path escapes them."""
         ws = sub.worker_spec
@@ -323,10 +332,9 @@ class LocalBackend:
             source = sub.spec.spec.checkpoint.resume_from if sub.spec.spec.checkpoint else None
             if source and not (ckpt / "latest").exists():
                 src = job_area_path(self.jobs_dir, project=area.project, job_id=source)
-                if copy_resume_checkpoint(src, into=ckpt) is not None and self.run_as is not None:
-                    uid, gid = self._user()["user"], self._user()["group"]
+                if copy_resume_checkpoint(src, into=ckpt) is not None and owner is not None:
                     for path in [ckpt, *ckpt.rglob("*")]:
-                        os.chown(path, uid, gid, follow_symlinks=False)
+                        os.chown(path, *owner, follow_symlinks=False)
         return ws.model_copy(update=update) if update else ws
 
     def _area_env(self, area: JobArea) -> dict[str, str]:
@@ -339,18 +347,10 @@ class LocalBackend:
     def _passthrough(self) -> dict[str, str]:
         return {k: os.environ[k] for k in self.env_passthrough if k in os.environ}
 
-    def _user(self) -> dict:
-        """Popen's user/group arguments for `run_as` (no supplementary groups), or none."""
-        if self.run_as is None:
-            return {}
-        import pwd
-
-        try:
-            entry = pwd.getpwuid(self.run_as) if isinstance(self.run_as, int) else pwd.getpwnam(self.run_as)
-        except KeyError:
-            raise BackendError(f"local backend: no user {self.run_as!r} to run jobs as; create it or set "
-                               "DEEPFLEET_LOCAL_USER", transient=False) from None
-        return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+    def _owner(self, project: str) -> tuple[int, int] | None:
+        """(uid, gid) the project's jobs run as, or None for the controller's own user."""
+        user = self.project_users.get(project, self.run_as)
+        return None if user is None else user_ids(user)
 
     def _exit_file(self, state: dict, node: int) -> Path:
         return Path(state["status_dir"]) / f"{state['name']}.node-{node}.exit"
