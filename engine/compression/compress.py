@@ -67,7 +67,8 @@ def technique_targets(model: nn.Module, cfg: CompressionConfig) -> list[dict[str
     out = []
     for technique, section in cfg.techniques().items():
         seen: set[str] = set()
-        shared = section.shared_parameters.model_dump()
+        # Shared settings win over a group's on a clash (DeepSpeed's merge); unset ones do not clash.
+        shared = {k: v for k, v in section.shared_parameters.model_dump().items() if v is not None}
         if technique == "sparse_pruning":
             shared["nm"] = section.shared_parameters.nm()
         for group_name, group in section.different_groups.items():

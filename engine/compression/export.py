@@ -7,7 +7,7 @@ Called by `compress.redundancy_clean`. Three passes over the layers `init_compre
    input columns) are removed from the layer and the matching inputs (or head rows) from the related
    layers, paired by match order as DeepSpeed does; without related modules pruned rows stay zeros;
 3. replace: plain nn.Linear/Conv2d/Embedding, or the integer-storage layers of `quantized.py`.
-Attention modules that own a head count (`n_heads`, `num_heads`, `num_attention_heads`, `n_head`)
+The nearest module above the related Q/K/V layers that owns a head count (`n_heads`, `num_heads`, `num_attention_heads`, `n_head`)
 get the kept count. The codes are recovered exactly from the folded weight when the training grid
 lines up with rows (one group, or groups of whole rows, or equal slices of each row) and no column
 of a multi-block row was removed; otherwise the layer is re-quantized per row from its folded weight.
@@ -126,7 +126,9 @@ def _shrink(model: nn.Module, cfg: CompressionConfig, folded: dict[str, Folded])
                     _take_cols(f, head_columns(keep.float().reshape(1, -1), o_inputs).reshape(-1) > 0)
                     for p in partners:
                         _take_rows(p, _head_rows(p, keep, o_inputs))
-                    _set_head_count(model, name, int(keep.sum()))
+                    # The module that splits heads owns the Q/K/V projections (BERT's self-attention, GPT's block).
+                    for owner in {r[j] for r in related if j < len(r)} or {name}:
+                        _set_head_count(model, owner, int(keep.sum()))
                 else:
                     keep = f.row_keep
                     _take_rows(f, keep)
