@@ -164,7 +164,16 @@ class CompressedMixin:
             b = b * m.reshape(-1) if b is not None else None
         if self.active("head_pruning"):
             w = w * M.head_columns(self.head_mask(), w.shape[1])
+        dormant = [s for t, s in self._scores() if not self.active(t)]
+        if dormant:  # scores before their offset join the graph with zero gradient (DDP needs every
+            w = w + sum(s.sum() for s in dormant) * 0.0  # parameter used in each backward)
         return w, b
+
+    def _scores(self) -> list[tuple[str, nn.Parameter]]:
+        names = {"sparse_pruning": "sparse_mask_scores", "row_pruning": "row_mask_scores",
+                 "channel_pruning": "row_mask_scores", "head_pruning": "head_pruning_scores"}
+        return [(t, getattr(self, names[t])) for t in self.techniques
+                if t in names and hasattr(self, names[t])]
 
     def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active("activation_quantization"):
