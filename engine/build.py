@@ -42,6 +42,7 @@ class Training:
     sharding: ZeroStrategy
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any  # a torch LRScheduler, a user scheduler with .step(), or None
+    compression: Any = None  # a CompressionScheduler (stepped with the engine, checkpointed), or None
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -66,6 +67,10 @@ def build_training(
     _check_one_source("scheduler", config.scheduler, lr_scheduler)
     _check_offload(model, config.zero_optimization)
 
+    # 0. Compression before everything: it swaps layers and adds score parameters, which the param
+    #    groups (2) must see, and it computes masks from full, unsharded fp32 weights (3 shards them).
+    compression = _compression(model, config)
+
     # 1. Precision first: the strategy needs the compute dtype, and must see the fp32 model so its
     #    master weights are exact (it casts the model itself, or casts per forward at stage 3).
     precision = build_precision(config)
@@ -88,7 +93,26 @@ def build_training(
     sharding.bind_optimizer(opt)
 
     # 5. The LR schedule last: it records the optimizer's initial learning rates.
-    return Training(precision, sharding, opt, _lr_scheduler(lr_scheduler, opt, config))
+    return Training(precision, sharding, opt, _lr_scheduler(lr_scheduler, opt, config), compression)
+
+
+def _compression(model: nn.Module, config: Any) -> Any:
+    """`init_compression` (unless the script already called it) and the schedule, for an enabled
+    `compression_training` section; None otherwise."""
+    section = getattr(config, "compression_training", None)
+    if section is None or not (section.techniques() or section.layer_reduction.enabled):
+        return None
+    from deepfleet.engine.compression.compress import init_compression, is_compressed
+    from deepfleet.engine.compression.scheduler import CompressionScheduler
+
+    if not is_compressed(model):
+        if section.layer_reduction.enabled:
+            raise ValueError(
+                "compression_training.layer_reduction: the student must be initialized from its teacher; call "
+                "init_compression(model, config, teacher_model=teacher) before initialize()"
+            )
+        init_compression(model, section)
+    return CompressionScheduler(model)
 
 
 def _check_one_source(key: str, configured: Any, given: Any) -> None:

@@ -50,6 +50,7 @@ class DeepFleetEngine(nn.Module):
         self.precision = training.precision
         self.optimizer = training.optimizer
         self.lr_scheduler = training.lr_scheduler
+        self.compression = training.compression  # compression schedule (engine/compression/) or None
         self.training_dataloader = training_dataloader
         self.global_steps = 0  # boundary steps taken, skipped (fp16 overflow) ones included
         self.global_samples = 0
@@ -116,6 +117,8 @@ class DeepFleetEngine(nn.Module):
         self.sharding.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+        if self.compression is not None:  # schedules advance with engine steps, skipped ones included
+            self.compression.step(self.global_steps)
 
     def _advance_lr(self, lr_kwargs: dict) -> None:
         if self.lr_scheduler is not None:
