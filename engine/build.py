@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,8 @@ class Training:
     sharding: ZeroStrategy
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any  # a torch LRScheduler, a user scheduler with .step(), or None
-    sinks: list[StepSink]  # called in order with every optimizer step's StepMetrics
+    sinks: list[StepSink] = field(default_factory=list)  # called in order with every step's StepMetrics
+    compression: Any = None  # a CompressionScheduler (stepped with the engine, checkpointed), or None
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -71,6 +72,10 @@ def build_training(
     _check_one_source("optimizer", config.optimizer, optimizer)
     _check_one_source("scheduler", config.scheduler, lr_scheduler)
     _check_offload(model, config.zero_optimization)
+
+    # 0. Compression before everything: it swaps layers and adds score parameters, which the param
+    #    groups (2) must see, and it computes masks from full, unsharded fp32 weights (3 shards them).
+    compression = _compression(model, config)
 
     # 1. Precision first: the strategy needs the compute dtype, and must see the fp32 model so its
     #    master weights are exact (it casts the model itself, or casts per forward at stage 3).
@@ -99,7 +104,7 @@ def build_training(
     # 6. The step sinks: the progress line first (it is what a user watches), then the sinks the
     #    environment names (the worker's heartbeat for script jobs), built after the process group
     #    exists so a factory can ask for its rank.
-    return Training(precision, sharding, opt, scheduler, step_sinks(config))
+    return Training(precision, sharding, opt, scheduler, sinks=step_sinks(config), compression=compression)
 
 
 def step_sinks(config: Any) -> list[StepSink]:
@@ -107,6 +112,25 @@ def step_sinks(config: Any) -> list[StepSink]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     progress = ProgressLog(config.steps_per_print, wall_clock_breakdown=config.wall_clock_breakdown, rank=rank)
     return [progress, *sinks_from_env()]
+
+
+def _compression(model: nn.Module, config: Any) -> Any:
+    """`init_compression` (unless the script already called it) and the schedule, for an enabled
+    `compression_training` section; None otherwise."""
+    section = getattr(config, "compression_training", None)
+    if section is None or not (section.techniques() or section.layer_reduction.enabled):
+        return None
+    from deepfleet.engine.compression.compress import init_compression, is_compressed
+    from deepfleet.engine.compression.scheduler import CompressionScheduler
+
+    if not is_compressed(model):
+        if section.layer_reduction.enabled:
+            raise ValueError(
+                "compression_training.layer_reduction: the student must be initialized from its teacher; call "
+                "init_compression(model, config, teacher_model=teacher) before initialize()"
+            )
+        init_compression(model, section)
+    return CompressionScheduler(model)
 
 
 def _check_one_source(key: str, configured: Any, given: Any) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 from deepfleet.engine.build import Training, build_training
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
+from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class DeepFleetEngine(nn.Module):
         self.precision = training.precision
         self.optimizer = training.optimizer
         self.lr_scheduler = training.lr_scheduler
+        self.compression = training.compression  # compression schedule (engine/compression/) or None
         self.training_dataloader = training_dataloader
         self.global_steps = 0  # boundary steps taken, skipped (fp16 overflow) ones included
         self.global_samples = 0
@@ -59,6 +61,9 @@ class DeepFleetEngine(nn.Module):
         rank = dist.get_rank() if dist.is_initialized() else 0
         dp_size = config.train_batch_size // (config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps)
         self._recorder = StepRecorder(rank=rank, dp_size=dp_size, clock=clock)
+        # model-state high-water mark over the current optimizer step, and the last completed step's
+        self.memory = HighWater(self.sharding)
+        self.peak_model_state_bytes = 0
 
     # --- the training protocol ------------------------------------------------------------------
 
@@ -70,7 +75,9 @@ class DeepFleetEngine(nn.Module):
             self._recorder.micro_batch(args, kwargs)
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
         with self._recorder.timed("forward"):
-            return self.sharding.module(*args, **kwargs)
+            out = self.sharding.module(*args, **kwargs)
+        self.memory.sample("forward")
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss / gradient_accumulation_steps` (unless `scale_wrt_gas` is False),
@@ -79,6 +86,7 @@ class DeepFleetEngine(nn.Module):
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         with self._recorder.timed("backward"):
             self.precision.scale_loss(loss / divisor).backward(retain_graph=retain_graph)
+        self.memory.sample("backward")
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -100,6 +108,7 @@ class DeepFleetEngine(nn.Module):
             stepped = self.precision.update(overflow)  # False: fp16 overflow, the step is skipped
             if stepped:
                 self.optimizer.step()
+                self.memory.sample("optimizer_step")  # new optimizer state beside the gradients
                 self.sharding.after_optimizer_step()
                 self._advance_lr(lr_kwargs)
             else:
@@ -107,10 +116,16 @@ class DeepFleetEngine(nn.Module):
             self.sharding.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+        if self.compression is not None:  # schedules advance with engine steps, skipped ones included
+            self.compression.step(self.global_steps)
+        self.memory.sample("step")
+        self.peak_model_state_bytes = self.memory.peak_bytes()
+        self.memory.reset()
         metrics = self._recorder.finish(
             step=self.global_steps, lr=self.get_lr()[0], lrs=tuple(self.get_lr()), grad_norm=self._grad_norm,
             loss_scale=self.precision.loss_scale, skipped=not stepped, skipped_steps=self.skipped_steps,
             samples=self.config.train_batch_size, global_samples=self.global_samples,
+            peak_model_state_bytes=self.peak_model_state_bytes,
         )
         for sink in self.sinks:
             sink(metrics)
@@ -180,6 +195,35 @@ class DeepFleetEngine(nn.Module):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+        )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`zero_optimization.stage3_gather_16bit_weights_on_model_save` (what HF/Accelerate ask)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def save_16bit_model(
+        self, save_dir: str | Path, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the model's weights in the compute dtype as a plain state dict (rank 0); every rank must
+        call it. At stage 3 only with `stage3_gather_16bit_weights_on_model_save`, else returns False."""
+        from deepfleet.engine.checkpoint.model_file import save_16bit_model
+
+        return save_16bit_model(
+            self.module, save_dir, save_filename, dtype=self.precision.compute_dtype,
+            gather_sharded=self.zero_gather_16bit_weights_on_model_save(),
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+
+    def save_fp16_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Stage 3: the full state dict in the compute dtype on rank 0 (None elsewhere); collective."""
+        from deepfleet.engine.checkpoint.model_file import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(
+            self.module, dtype=self.precision.compute_dtype, exclude_frozen_parameters=exclude_frozen_parameters
         )
 
 

@@ -23,6 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from deepfleet.engine import comm
+
 SINKS_ENV = "DEEPFLEET_STEP_SINKS"
 
 
@@ -63,8 +65,9 @@ class StepMetrics:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase summed over the window's micro-steps: "forward", "backward", "step"
     (gradient reduction, clipping, optimizer and publishing)."""
-    comm_bytes: int | None = None
-    """Bytes this rank sent through `deepfleet.engine.comm` during the step (every micro-step)."""
+    comm_bytes: int = 0
+    """Bytes this rank sent through `deepfleet.engine.comm` during the step (its forward, backward and
+    optimizer phases, every micro-step): the difference of `comm.counters()` over the step."""
     peak_model_state_bytes: int | None = None
     """High-water mark of this rank's model-state bytes over the step (`deepfleet.engine.memory`);
     None until the strategy reports it."""
@@ -129,12 +132,8 @@ def _factory(entry: str) -> Callable[[], StepSink | None]:
     return obj
 
 
-def _comm_bytes_sent() -> int | None:
-    """Bytes this rank has sent through the comm module so far (None where it is not available)."""
-    try:
-        from deepfleet.engine import comm
-    except ImportError:
-        return None
+def _comm_bytes_sent() -> int:
+    """Bytes this rank has sent through the comm module so far (every collective the engine issues)."""
     return sum(c.bytes for c in comm.counters().values())
 
 
@@ -178,7 +177,7 @@ class StepRecorder:
             tokens=None if self._tokens is None else self._tokens * self.dp_size,
             elapsed_s=now - self._window_start,
             timings=dict(self.timings),
-            comm_bytes=None if comm_now is None or self._comm_start is None else comm_now - self._comm_start,
+            comm_bytes=comm_now - self._comm_start,
             **fields,
         )
         self._window_start, self._comm_start = now, comm_now

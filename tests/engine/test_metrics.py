@@ -1,5 +1,6 @@
 """The step seam: every optimizer step reaches the engine's sinks as one StepMetrics with exact values
-(2 gloo ranks, fp16 with an injected overflow, gradient accumulation 2), sinks named by
+(2 gloo ranks, fp16 with an injected overflow, gradient accumulation 2: loss, lr, grad norm, loss scale,
+skipped steps, samples, tokens, timings, comm bytes from the comm counters and the HighWater peak), sinks named by
 DEEPFLEET_STEP_SINKS are built at initialize, and token counting."""
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ def not_a_sink():
     return 3
 
 
-def _comm_bytes() -> int | None:
-    try:
-        from deepfleet.engine import comm
-    except ImportError:
-        return None
+def _comm_bytes() -> int:
+    from deepfleet.engine import comm
+
     return sum(c.bytes for c in comm.counters().values())
 
 
@@ -71,7 +70,7 @@ def _run(rank: int, world_size: int) -> dict:
             expected.append({
                 "loss": sum(losses) / len(losses), "lr": engine.get_lr()[0], "grad_norm": engine.get_global_grad_norm(),
                 "loss_scale": engine.loss_scale, "skipped_steps": engine.skipped_steps,
-                "comm_bytes": None if comm_now is None else comm_now - comm_start,
+                "comm_bytes": comm_now - comm_start, "peak": engine.peak_model_state_bytes,
             })
             losses, comm_start = [], comm_now
     return {"seen": seen, "expected": expected}
@@ -91,7 +90,8 @@ def test_step_metrics_reach_a_sink_with_exact_values() -> None:
             assert m.skipped_steps == want["skipped_steps"]
             assert m.samples == MICRO * GAS * 2
             assert m.tokens == MICRO * GAS * SEQ * 2
-            assert m.comm_bytes == want["comm_bytes"]
+            assert m.comm_bytes == want["comm_bytes"] and m.comm_bytes > 0  # gradients all-reduced
+            assert m.peak_model_state_bytes == want["peak"] and m.peak_model_state_bytes > 0  # HighWater
             assert set(m.timings) == {"forward", "backward", "step"} and all(t > 0 for t in m.timings.values())
             assert m.elapsed_s >= sum(m.timings.values())
         assert [m.global_samples for m in seen] == [8, 16, 24]
