@@ -30,6 +30,7 @@ from deepfleet.worker.spec import (
     HEARTBEAT_URL_ENV,
     SPEC_ENV,
     TOKEN_ENV,
+    FactoryEntrypoint,
     FailureReport,
     Heartbeat,
     HeartbeatSpec,
@@ -198,8 +199,8 @@ def _finite(x: float | None) -> float | None:
 
 def step_sink(environ: Mapping[str, str] | None = None) -> HeartbeatSink | None:
     """The `DEEPFLEET_STEP_SINKS` factory ("deepfleet.worker.heartbeat:step_sink") that gives a plain
-    script launched by the worker the managed loop's heartbeats. On rank 0 only (None elsewhere, and
-    when no heartbeat URL is known). The endpoint comes from the worker spec in `DEEPFLEET_WORKER_SPEC`
+    script launched by the worker the managed loop's heartbeats. On rank 0 only (None elsewhere, when
+    no heartbeat URL is known, and for a factory job, whose managed loop posts its own). The endpoint comes from the worker spec in `DEEPFLEET_WORKER_SPEC`
     (interval and timeout included), else from `DEEPFLEET_HEARTBEAT_URL`; the token from
     `DEEPFLEET_TOKEN`. Heartbeats name the newest complete checkpoint under the spec's
     `checkpoint.dir`. A last heartbeat goes out, and the queue is flushed, when the script exits."""
@@ -209,6 +210,8 @@ def step_sink(environ: Mapping[str, str] | None = None) -> HeartbeatSink | None:
     ckpt_dir: str | None = None
     if env.get(SPEC_ENV):
         spec = load_worker_spec(environ=env)
+        if isinstance(spec.entrypoint, FactoryEntrypoint):
+            return None  # the managed loop (worker/train.py) adds its own HeartbeatSink
         hb, ckpt_dir = spec.heartbeat, spec.checkpoint.dir
     else:
         hb = HeartbeatSpec(url=env.get(HEARTBEAT_URL_ENV), token=env.get(TOKEN_ENV))

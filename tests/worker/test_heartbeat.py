@@ -4,6 +4,7 @@ and logged once per interval."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -117,13 +118,15 @@ def test_step_sink_factory_opts_out_without_an_endpoint_or_off_rank_0() -> None:
 
     assert step_sink({}) is None
     assert step_sink({"DEEPFLEET_HEARTBEAT_URL": "http://127.0.0.1:1/hb", "RANK": "1"}) is None
+    managed = {"job_id": "m", "entrypoint": {"factory": "pkg.mod:build"}, "max_steps": 2,
+               "heartbeat": {"url": "http://127.0.0.1:1/hb"}}
+    assert step_sink({"DEEPFLEET_WORKER_SPEC": json.dumps(managed)}) is None  # train.py posts its own
 
 
 @pytest.mark.slow
 def test_a_plain_script_posts_heartbeats_through_the_step_sink_factory(controller: Sink, tmp_path) -> None:
     """A DeepSpeed-style script that knows nothing of the worker, launched with the environment the
     worker gives script jobs, posts heartbeats from the engine's step seam."""
-    import json
     import os
     import subprocess
     import sys
