@@ -138,6 +138,7 @@ def _qat_run(rank: int, world: int, root: str, resume: bool) -> list[float]:
     return _train(engine, batches[K:])
 
 
+@pytest.mark.slow  # two 2-rank spawns: ~40 s on an idle 2-core box, minutes on a busy one
 def test_qat_under_zero3_resumes_exactly(tmp_path) -> None:
     uninterrupted = spawn(_qat_run, 2, str(tmp_path), False, timeout=240)[0]
     resumed = spawn(_qat_run, 2, str(tmp_path), True, timeout=240)[0]
