@@ -23,6 +23,7 @@ from deepfleet.controller.api.deps import ApiError
 from deepfleet.controller.api.logs import LogLocator, file_log_locator
 from deepfleet.controller.db.auth import ensure_bootstrap_token
 from deepfleet.controller.db.session import make_engine, make_session_factory
+from deepfleet.controller.policy import Policies
 from deepfleet.controller.settings import Settings
 from deepfleet.controller.spec import JobSpec
 
@@ -110,6 +111,7 @@ def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log
     app.state.log_locator = log_locator or file_log_locator(settings.logs_root)
     app.state.log_poll_s = log_poll_s
     app.state.metrics = health.ApiMetrics(sessions)
+    app.state.policies = Policies.load(settings.policy_file)
     _install_error_handlers(app)
     for module in (jobs, workers, queues, tokens, health):
         app.include_router(module.router)

@@ -31,6 +31,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from deepfleet.controller.bounds import DocumentTooLarge, check_yaml_node
+
 API_VERSION = "deepfleet/v1"
 KIND = "TrainingJob"
 
@@ -187,6 +189,9 @@ class Checkpoint(_Section):
     """Save every N optimizer steps; null saves only on preemption and at the end."""
     keep_last: Annotated[int | None, Field(ge=1)] = None
     """Keep only the newest N complete checkpoints; null keeps all."""
+    resume_from: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9-]+$")] = None
+    """Id of an earlier job of the same project whose newest complete checkpoint this job starts from;
+    null starts fresh (a job never picks up another job's checkpoints by name)."""
 
 
 class RestartPolicy(_Section):
@@ -390,12 +395,15 @@ def _errors_from(exc: ValidationError) -> list[str]:
     return seen
 
 
-def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
+def _validate_engine(spec: JobSpec, *, base_dir: Path | None, read_files: bool = True) -> list[str]:
     """Check the engine config at the job's world sizes; errors re-pathed under spec.engine."""
     engine = spec.spec.engine
     if engine is None:
         return []
     source: str | Path | dict[str, Any] = engine
+    if isinstance(engine, str) and not read_files:
+        return ["spec.engine: the server reads no files named in a spec; put the engine config inline "
+                "(`deepfleet submit` inlines the file it names)"]
     if isinstance(engine, str):
         path = Path(engine).expanduser()
         if not path.is_absolute():
@@ -420,8 +428,10 @@ def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
     return errors
 
 
-def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
-    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError."""
+def validate_job(document: Any, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
+    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError.
+
+    `read_files=False` (the server): an engine config given as a path is refused, never opened."""
     if not isinstance(document, dict):
         raise SpecError([f"(document): expected a mapping with apiVersion, kind, metadata, spec; "
                          f"got {type(document).__name__}"])
@@ -429,7 +439,7 @@ def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
         spec = JobSpec.model_validate(document)
     except ValidationError as e:
         raise SpecError(_errors_from(e)) from None
-    errors = _validate_engine(spec, base_dir=base_dir)
+    errors = _validate_engine(spec, base_dir=base_dir, read_files=read_files)
     if errors:
         raise SpecError(errors)
     return spec
@@ -454,16 +464,24 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def parse_job_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
+def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
     """Parse a YAML (or JSON) job document; raises SpecError with one line per problem.
 
     A relative `spec.engine` path resolves against `base_dir` (default: the working directory).
     """
+    loader = _StrictLoader(text)
     try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is not None:
+            check_yaml_node(node)  # before any object is built: an alias bomb stops here
+        document = loader.construct_document(node) if node is not None else None
+    except DocumentTooLarge as e:
+        raise SpecError([str(e)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError([f"(document): malformed YAML{where}: {problem}; fix the syntax"]) from None
-    return validate_job(document, base_dir=base_dir)
+    finally:
+        loader.dispose()
+    return validate_job(document, base_dir=base_dir, read_files=read_files)

@@ -26,6 +26,7 @@ from torch import nn
 from deepfleet.engine.build import Training, build_training
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
+from deepfleet.engine.memory import HighWater
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class DeepFleetEngine(nn.Module):
         self._timings: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._last_report = (clock(), 0)  # (time, global_steps) at the last log line
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+        # model-state high-water mark over the current optimizer step, and the last completed step's
+        self.memory = HighWater(self.sharding)
+        self.peak_model_state_bytes = 0
 
     # --- the training protocol ------------------------------------------------------------------
 
@@ -70,7 +74,9 @@ class DeepFleetEngine(nn.Module):
         self.sharding.set_gradient_sync(self.is_gradient_accumulation_boundary())
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
         with self._timed("forward"):
-            return self.sharding.module(*args, **kwargs)
+            out = self.sharding.module(*args, **kwargs)
+        self.memory.sample("forward")
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss / gradient_accumulation_steps` (unless `scale_wrt_gas` is False),
@@ -79,6 +85,7 @@ class DeepFleetEngine(nn.Module):
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         with self._timed("backward"):
             self.precision.scale_loss(loss / divisor).backward(retain_graph=retain_graph)
+        self.memory.sample("backward")
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -87,6 +94,9 @@ class DeepFleetEngine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             with self._timed("step"):
                 self._take_model_step(lr_kwargs or {})
+            self.memory.sample("step")
+            self.peak_model_state_bytes = self.memory.peak_bytes()
+            self.memory.reset()
             self._report()
         self.micro_steps += 1
 
@@ -99,6 +109,7 @@ class DeepFleetEngine(nn.Module):
         self._grad_norm = self.sharding.clip_grad_norm_(self.config.gradient_clipping)
         if self.precision.update(overflow):  # False: fp16 overflow, the step is skipped
             self.optimizer.step()
+            self.memory.sample("optimizer_step")  # new optimizer state beside the gradients
             self.sharding.after_optimizer_step()
             self._advance_lr(lr_kwargs)
         else:
@@ -174,6 +185,35 @@ class DeepFleetEngine(nn.Module):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+        )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`zero_optimization.stage3_gather_16bit_weights_on_model_save` (what HF/Accelerate ask)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def save_16bit_model(
+        self, save_dir: str | Path, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the model's weights in the compute dtype as a plain state dict (rank 0); every rank must
+        call it. At stage 3 only with `stage3_gather_16bit_weights_on_model_save`, else returns False."""
+        from deepfleet.engine.checkpoint.model_file import save_16bit_model
+
+        return save_16bit_model(
+            self.module, save_dir, save_filename, dtype=self.precision.compute_dtype,
+            gather_sharded=self.zero_gather_16bit_weights_on_model_save(),
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+
+    def save_fp16_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Stage 3: the full state dict in the compute dtype on rank 0 (None elsewhere); collective."""
+        from deepfleet.engine.checkpoint.model_file import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(
+            self.module, dtype=self.precision.compute_dtype, exclude_frozen_parameters=exclude_frozen_parameters
         )
 
     # --- logging ---------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.util
 import os
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,7 +29,15 @@ import torch.distributed as dist
 from deepfleet.engine.checkpoint.layout import find_latest_complete
 from deepfleet.worker.heartbeat import HeartbeatReporter
 from deepfleet.worker.signals import PreemptionWatcher, exit_preempted, mark_preempted
-from deepfleet.worker.spec import FactoryEntrypoint, Heartbeat, WorkerSpec, WorkerSpecError
+from deepfleet.worker.spec import (
+    FACTORY_MODULES_ENV,
+    FactoryEntrypoint,
+    Heartbeat,
+    WorkerSpec,
+    WorkerSpecError,
+)
+
+_LIB_KEYS = ("stdlib", "platstdlib", "purelib", "platlib")
 
 
 @dataclass
@@ -42,10 +52,31 @@ class ManagedJob:
     config: dict[str, Any] | str | None = None  # used when the spec has no engine_config
 
 
+def _check_factory_origin(module_name: str) -> None:
+    """A factory is the job's own code: its module's file must lie outside the interpreter's library
+    directories (standard library, site-packages), unless its prefix is in DEEPFLEET_FACTORY_MODULES
+    (set by the controller from the admin's allow-list). Raises WorkerSpecError, ModuleNotFoundError."""
+    allowed = [p for p in os.environ.get(FACTORY_MODULES_ENV, "").split(",") if p]
+    if any(module_name == p or module_name.startswith(p + ".") for p in allowed):
+        return
+    found = importlib.util.find_spec(module_name.split(".")[0])
+    if found is None:
+        raise ModuleNotFoundError(f"No module named {module_name.split('.')[0]!r}")
+    origins = [found.origin] if found.origin and found.origin not in ("built-in", "frozen") else []
+    origins += list(found.submodule_search_locations or [])
+    libs = {os.path.realpath(p) for k, p in sysconfig.get_paths().items() if k in _LIB_KEYS}
+    for origin in origins or ["<built-in>"]:
+        real = os.path.realpath(origin)
+        if origin == "<built-in>" or any(real == lib or real.startswith(lib + os.sep) for lib in libs):
+            raise WorkerSpecError([f"entrypoint.factory: {module_name!r} is not the job's own code (it comes "
+                                   "from the Python installation); name a function of your project's code"])
+
+
 def build_job(entry: FactoryEntrypoint) -> ManagedJob:
     """Import and call the factory; accept a ManagedJob or a mapping with the same keys."""
     module_name, _, attr = entry.factory.partition(":")
     try:
+        _check_factory_origin(module_name)
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise WorkerSpecError([f"entrypoint.factory: cannot import {module_name!r} ({e}); put the package on "

@@ -37,8 +37,10 @@ from deepfleet.controller.api.schemas import (
     MetricPoint,
     Metrics,
 )
+from deepfleet.controller.bounds import MAX_DEPTH, DocumentTooLarge, check_document, short_errors
 from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
+from deepfleet.controller.policy import submit_errors
 from deepfleet.controller.spec import JobSpec, SpecError, parse_job_yaml, validate_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -75,14 +77,19 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
         if media == "application/json":
             try:
                 document = json.loads(text)
+                check_document(document)
             except json.JSONDecodeError as e:
                 raise SpecError([f"(document): malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}; "
                                  "fix the syntax"]) from None
-            return validate_job(document)
+            except RecursionError:
+                raise SpecError([f"(document): more than {MAX_DEPTH} levels of nesting; shorten it"]) from None
+            except DocumentTooLarge as e:
+                raise SpecError([str(e)]) from None
+            return validate_job(document, read_files=False)
         if media in YAML_TYPES or media == "":
-            return parse_job_yaml(text)
+            return parse_job_yaml(text, read_files=False)
     except SpecError as e:
-        raise ApiError(422, "invalid job spec", errors=e.errors) from None
+        raise ApiError(422, "invalid job spec", errors=short_errors(e.errors)) from None
     raise ApiError(415, f"unsupported content type {media!r}; send application/yaml or application/json")
 
 
@@ -100,6 +107,10 @@ async def submit_job(request: Request, principal: PrincipalDep, session: Session
         raise ApiError(403, "token project mismatch", errors=[
             f"metadata.project: this token belongs to project {principal.project!r}, not "
             f"{spec.metadata.project!r}; submit with a token of that project or change metadata.project"])
+    refused = submit_errors(spec, policy=request.app.state.policies.for_project(spec.metadata.project),
+                            default_namespace=settings.k8s_namespace, factory_modules=tuple(settings.factory_modules))
+    if refused:
+        raise ApiError(422, "job not allowed for this project", errors=refused)
 
     def create() -> JobDetail:
         try:

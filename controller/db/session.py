@@ -1,13 +1,14 @@
 """Engine and session factories built from settings (no module-level engine or session).
 
 Called by `create_app`, the reconciler loop, the migrations helper and tests. For the embedded
-SQLite default it creates the database's folder and sets the pragmas a multi-threaded server needs:
+SQLite default it creates the database's folder and the file (mode 0600) and sets the pragmas a multi-threaded server needs:
 WAL (readers do not block the writer), foreign keys on (SQLite leaves them off), and a busy
 timeout instead of immediate "database is locked" errors.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,11 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            path = Path(parsed.database).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Owner-only from the first byte (SQLite gives its -wal/-shm files the database's mode).
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            os.chmod(path, 0o600)
         engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -86,24 +88,12 @@ class FSDPStrategy:
         grads = self._local_grads()
         if grads and grad_scale != 1.0:
             torch._foreach_div_(grads, grad_scale)
-        local_bad = sum(1 for g in grads if not torch.isfinite(g).all())
-        device = next(iter(self._params.values())).device
-        flag = torch.tensor([float(local_bad)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item() > 0)
+        return any_nonfinite(grads, self._group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        grads = self._local_grads()
-        device = next(iter(self._params.values())).device
-        square = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            square = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
-        # Each rank holds disjoint shards: the global square norm is the sum over ranks.
-        dist.all_reduce(square, group=self._group)
-        norm = float(square.sqrt())
-        if max_norm > 0 and norm > max_norm:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        return norm
+        # DTensor shards: their squares are summed over the mesh (one all-reduce).
+        grads = [p.grad for p in self._params.values() if p.grad is not None]
+        return clip_by_global_norm_(grads, max_norm, None)
 
     def after_optimizer_step(self) -> None:
         """Nothing to publish: the next forward all-gathers (and casts) the updated shards."""
