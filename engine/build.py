@@ -75,7 +75,7 @@ def build_training(
 
     # 0. Compression before everything: it swaps layers and adds score parameters, which the param
     #    groups (2) must see, and it computes masks from full, unsharded fp32 weights (3 shards them).
-    compression = _compression(model, config)
+    compression = _compression(model, config, process_group=process_group)
 
     # 1. Precision first: the strategy needs the compute dtype, and must see the fp32 model so its
     #    master weights are exact (it casts the model itself, or casts per forward at stage 3).
@@ -114,7 +114,7 @@ def step_sinks(config: Any) -> list[StepSink]:
     return [progress, *sinks_from_env()]
 
 
-def _compression(model: nn.Module, config: Any) -> Any:
+def _compression(model: nn.Module, config: Any, *, process_group: Any) -> Any:
     """`init_compression` (unless the script already called it) and the schedule, for an enabled
     `compression_training` section; None otherwise."""
     section = getattr(config, "compression_training", None)
@@ -130,7 +130,7 @@ def _compression(model: nn.Module, config: Any) -> Any:
                 "init_compression(model, config, teacher_model=teacher) before initialize()"
             )
         init_compression(model, section)
-    return CompressionScheduler(model)
+    return CompressionScheduler(model, process_group=process_group)
 
 
 def _check_one_source(key: str, configured: Any, given: Any) -> None:

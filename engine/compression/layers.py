@@ -62,7 +62,9 @@ class CompressedMixin:
         method = settings.get("method")
         if technique == "sparse_pruning":
             self.register_buffer("cq_sparse_mask", torch.ones_like(w, device=w.device), persistent=False)
-            self.register_buffer("cq_sparse_ratio", torch.tensor(-1.0, device=w.device), persistent=False)
+            # The ratio the mask was computed at, in parts per million: an integer, so casting the model
+            # to 16 bits cannot round it and trigger a recomputation at every forward.
+            self.register_buffer("cq_sparse_ppm", torch.tensor(-1, device=w.device), persistent=False)
             if method == "topk":
                 self.sparse_mask_scores = nn.Parameter(_kaiming_like(w))
         elif technique in ("row_pruning", "channel_pruning"):
@@ -123,11 +125,12 @@ class CompressedMixin:
         ratio = 0.0 if nm is not None else M.ramped_ratio(
             self.step, dense_ratio=sp["dense_ratio"], offset=sp["schedule_offset"],
             end=sp["schedule_offset_end"], stride=sp["schedule_offset_stride"])
-        if float(self.cq_sparse_ratio) != ratio:  # pruning just began, or the ramp moved on
+        ppm = round(ratio * 1_000_000)
+        if int(self.cq_sparse_ppm) != ppm:  # pruning just began, or the ramp moved on
             with torch.no_grad():
                 fresh = M.nm_mask(self.weight, *nm) if nm is not None else M.l1_mask(self.weight, ratio)
                 self.cq_sparse_mask.copy_(fresh)
-                self.cq_sparse_ratio.fill_(ratio)
+                self.cq_sparse_ppm.fill_(ppm)
         return self.cq_sparse_mask
 
     def row_mask(self) -> torch.Tensor:

@@ -3,6 +3,8 @@ and a QAT + pruning run under ZeRO-3 on 2 gloo ranks resumes exactly from a chec
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,6 +93,21 @@ def test_bert_layer_reduction_and_pruning_config_trains() -> None:
     assert all(torch.isfinite(torch.tensor(losses))) and min(losses[5:]) < losses[2]
 
 
+def test_bf16_training_keeps_the_ramp_and_masks_exact() -> None:
+    import deepfleet.engine as deepfleet
+
+    compression = {"sparse_pruning": {
+        "shared_parameters": {"enabled": True, "schedule_offset": 0, "schedule_offset_end": 5,
+                              "schedule_offset_stride": 1},
+        "different_groups": {"s": {"params": {"dense_ratio": 0.4}, "modules": ["fc"]}}}}
+    engine, *_ = deepfleet.initialize(model=_gpt(), config={**_config(compression), "bf16": {"enabled": True}})
+    fc = engine.module.gpt.blocks[0].fc
+    losses = _train(engine, _gpt_batches(6))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert int(fc.cq_sparse_ppm) == 400_000  # 0.4 exactly, whatever the model's dtype
+    assert int(fc.cq_sparse_mask.float().sum()) == math.ceil(0.4 * fc.weight.numel())
+
+
 # --------------------------------------------------------------------------- multi-rank
 
 QAT = {
@@ -138,6 +155,7 @@ def _qat_run(rank: int, world: int, root: str, resume: bool) -> list[float]:
     return _train(engine, batches[K:])
 
 
+@pytest.mark.slow  # two 2-rank spawns: ~40 s on an idle 2-core box, minutes on a busy one
 def test_qat_under_zero3_resumes_exactly(tmp_path) -> None:
     uninterrupted = spawn(_qat_run, 2, str(tmp_path), False, timeout=240)[0]
     resumed = spawn(_qat_run, 2, str(tmp_path), True, timeout=240)[0]
