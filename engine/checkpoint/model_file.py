@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from deepfleet.engine import comm
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def consolidated_16bit_state_dict(
         raise ValueError("_zero3_consolidated_16bit_state_dict: needs ZeRO stage 3 (sharded parameters); "
                          "use engine.module.state_dict() at stages 0-2")
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if comm.get_rank() != 0:
         return None
     frozen = _frozen(module) if exclude_frozen_parameters else set()
     return _portable({k: v for k, v in state.items() if k not in frozen}, dtype=dtype)
@@ -95,11 +96,10 @@ def save_16bit_model(
     else:
         frozen = _frozen(module) if exclude_frozen_parameters else set()
         state = _portable({k: v for k, v in module.state_dict().items() if k not in frozen}, dtype=dtype)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
+    if comm.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
         logger.info("saved 16-bit model weights to %s", path)
-    if dist.is_initialized():
-        dist.barrier()  # the file is complete on every rank's return
+    if comm.get_world_size() > 1:
+        comm.barrier()  # the file is complete on every rank's return
     return True
