@@ -24,11 +24,19 @@ MAX_LINE = 300  # characters in one error line
 
 
 class DocumentTooLarge(ValueError):
-    """A document past one of the limits; the message is one line "<(document)>: <problem>; <fix>"."""
+    """A document past one of the limits (or holding a NUL character, which PostgreSQL cannot store); the
+    message is one line "(document): <problem>; <fix>"."""
 
 
 def _too(what: str, limit: int) -> DocumentTooLarge:
     return DocumentTooLarge(f"(document): more than {limit} {what}; a job spec is far smaller, shorten it")
+
+
+def _check_string(value: str) -> None:
+    if len(value) > MAX_STRING:
+        raise _too("characters in one value", MAX_STRING)
+    if "\x00" in value:
+        raise DocumentTooLarge("(document): a value contains a NUL character; remove it")
 
 
 def check_yaml_node(root: yaml.Node) -> None:
@@ -45,8 +53,7 @@ def check_yaml_node(root: yaml.Node) -> None:
         if depth > MAX_DEPTH:
             raise _too("levels of nesting", MAX_DEPTH)
         if isinstance(node, yaml.ScalarNode):
-            if len(node.value) > MAX_STRING:
-                raise _too("characters in one value", MAX_STRING)
+            _check_string(node.value)
             continue
         if id(node) in seen:
             aliases += 1
@@ -73,8 +80,7 @@ def check_document(document: Any) -> None:
         if depth > MAX_DEPTH:
             raise _too("levels of nesting", MAX_DEPTH)
         if isinstance(value, str):
-            if len(value) > MAX_STRING:
-                raise _too("characters in one value", MAX_STRING)
+            _check_string(value)
         elif isinstance(value, dict):
             for key, item in value.items():
                 stack.append((key, depth + 1))

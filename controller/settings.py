@@ -75,6 +75,11 @@ class Settings(BaseModel):
     """Name this replica claims jobs under."""
     migrate_on_start: bool = True
     """Run `alembic upgrade head` when the server starts (the Helm chart runs it as a hook instead)."""
+    max_inflight_requests: int = Field(32, ge=1, le=1024)
+    """API requests handled at once; the thread pool and the database pool are sized from it, and
+    requests past it wait up to `queue_timeout_s`, then get 429 with Retry-After."""
+    queue_timeout_s: float = Field(10.0, gt=0, le=300)
+    """How long a request waits for a free slot before the 429."""
     log_max_bytes: int = Field(16 * 1_048_576, ge=1)
     """Largest log tail the API returns in one response."""
     jobs_dir: Path | None = None

@@ -38,6 +38,9 @@ KIND = "TrainingJob"
 
 # Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
 MAX_NAME_LEN = 40
+# Every number has a range (the database columns are 32-bit; no real job is near these).
+MAX_NODES = 4096
+MAX_STEPS = 10**9
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes-style label keys: an optional DNS prefix and "/", then a name of up to 63 chars.
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -107,9 +110,9 @@ class Metadata(_Section):
 
 
 class ElasticNodes(_Section):
-    min: Annotated[int, Field(ge=1)]
+    min: Annotated[int, Field(ge=1, le=MAX_NODES)]
     """Fewest nodes the job may run on (it shrinks and reshards down to this)."""
-    max: Annotated[int, Field(ge=1)]
+    max: Annotated[int, Field(ge=1, le=MAX_NODES)]
     """Most nodes the job asks for."""
 
     @model_validator(mode="after")
@@ -124,7 +127,7 @@ class Resources(_Section):
     """CPU per node as a Kubernetes quantity ("2", "500m")."""
     memory: Annotated[str | None, Field(pattern=QUANTITY)] = None
     """Memory per node as a Kubernetes quantity ("8Gi")."""
-    gpu: Annotated[int, Field(ge=0)] = 0
+    gpu: Annotated[int, Field(ge=0, le=64)] = 0
     """GPUs per node."""
     gpu_type: str | None = None
     """Accelerator type (a node label value on Kubernetes, a VM size hint on Azure ML)."""
@@ -185,9 +188,9 @@ def _engine_kind(value: Any) -> str | None:
 class Checkpoint(_Section):
     dir: Annotated[str, Field(min_length=1)]
     """Checkpoint directory (a shared path or mounted volume); the job resumes from its `latest` tag."""
-    every_steps: Annotated[int | None, Field(ge=1)] = None
+    every_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
     """Save every N optimizer steps; null saves only on preemption and at the end."""
-    keep_last: Annotated[int | None, Field(ge=1)] = None
+    keep_last: Annotated[int | None, Field(ge=1, le=10_000)] = None
     """Keep only the newest N complete checkpoints; null keeps all."""
     resume_from: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9-]+$")] = None
     """Id of an earlier job of the same project whose newest complete checkpoint this job starts from;
@@ -195,9 +198,9 @@ class Checkpoint(_Section):
 
 
 class RestartPolicy(_Section):
-    max_restarts: Annotated[int, Field(ge=0)] = 3
+    max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 3
     """Restarts allowed for retryable failures (preemptions do not count against it)."""
-    backoff_seconds: Annotated[float, Field(ge=0)] = 5.0
+    backoff_seconds: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 5.0
     """Wait before a new attempt; doubles on each consecutive failure."""
     retry_on_user_error: bool = False
     """Also retry when the training code raised (worker exit 65); off by default, as a bug repeats."""
@@ -208,7 +211,7 @@ class Toleration(_Section):
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: Annotated[int | None, Field(ge=0, le=2**31 - 1)] = None
 
 
 class KubernetesOptions(_Section):
@@ -223,7 +226,7 @@ class KubernetesOptions(_Section):
     """Size of the /dev/shm memory volume (NCCL and dataloader workers need more than the 64Mi default)."""
     kueue_queue: str | None = None
     """Kueue LocalQueue name; when set, admission is left to Kueue."""
-    termination_grace_period_seconds: Annotated[int | None, Field(ge=0)] = None
+    termination_grace_period_seconds: Annotated[int | None, Field(ge=0, le=86_400)] = None
     """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
     checkpoint_claim: Annotated[str | None, Field(max_length=253, pattern=DNS_LABEL)] = None
     """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod, so every attempt
@@ -245,11 +248,11 @@ class TrainingSpec(_Section):
     image: str | None = None
     """Worker container image; required by kubernetes and azureml, ignored by local."""
     nodes: Annotated[
-        Annotated[Annotated[int, Field(ge=1)], Tag("fixed")] | Annotated[ElasticNodes, Tag("elastic")],
+        Annotated[Annotated[int, Field(ge=1, le=MAX_NODES)], Tag("fixed")] | Annotated[ElasticNodes, Tag("elastic")],
         Discriminator(_nodes_kind),
     ] = 1
     """Number of nodes, or {min, max} for an elastic job."""
-    processes_per_node: Annotated[int, Field(ge=1)] = 1
+    processes_per_node: Annotated[int, Field(ge=1, le=1024)] = 1
     """Training processes per node (GPUs per node on real clusters)."""
     resources: Resources = Resources()
     entrypoint: Entrypoint

@@ -46,6 +46,8 @@ from deepfleet.controller.spec import JobSpec, SpecError, parse_job_yaml, valida
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
+MAX_LABEL_FILTERS = 16
+LABEL_HELP = "key=value; repeat to require several (at most 16)."
 PhaseParam = Literal[JOB_PHASES]  # type: ignore[valid-type]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -144,6 +146,9 @@ def _labels(label: list[str]) -> dict[str, str]:
     out = {}
     for i, item in enumerate(label):
         key, sep, value = item.partition("=")
+        if len(item) > 317:  # a label key (253 + "/" + 63 at most) "=" a value (63)
+            raise ApiError(422, "invalid label filter", errors=[f"query.label[{i}]: longer than any label; "
+                                                                "shorten it"])
         if not sep or not key:
             raise ApiError(422, "invalid label filter", errors=[f"query.label[{i}]: {item!r} is not key=value; "
                                                                 "write it like team=nlp"])
@@ -159,7 +164,7 @@ def list_jobs(
     phase: Annotated[PhaseParam | None, Query(description="Only jobs in this phase.")] = None,
     queue: Annotated[str | None, Query(max_length=63)] = None,
     name: Annotated[str | None, Query(max_length=63)] = None,
-    label: Annotated[list[str], Query(description="key=value; repeat to require several.")] = [],  # noqa: B006
+    label: Annotated[list[str], Query(max_length=MAX_LABEL_FILTERS, description=LABEL_HELP)] = [],  # noqa: B006
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page.")] = None,
 ) -> JobList:

@@ -30,8 +30,9 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
-def make_engine(url: str, *, echo: bool = False) -> Engine:
-    """A SQLAlchemy engine for `url`; SQLite gets its folder created and the pragmas above."""
+def make_engine(url: str, *, echo: bool = False, pool_size: int = 10, max_overflow: int = 20) -> Engine:
+    """A SQLAlchemy engine for `url`; SQLite gets its folder created and the pragmas above. The API sizes
+    the pool from its request limit (`Settings.max_inflight_requests`) so no request waits on the pool."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -44,7 +45,8 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     # pre_ping: a controller outlives database restarts and failovers.
-    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, echo=echo, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow,
+                         pool_timeout=10)
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
