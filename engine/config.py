@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
+from deepfleet.engine.compression.config import CompressionConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_optim import (
@@ -118,6 +119,8 @@ class DeepFleetConfig(ConfigSection):
     """Allow a caller-supplied optimizer that is not one of the built-in types with ZeRO stages >= 1."""
     dump_state: Bool = False
     """Print the resolved config at initialization."""
+    compression_training: CompressionConfig | None = None
+    """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:

@@ -84,7 +84,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "comms_logger": _OFF,
     "pipeline": _SECTION,
     "sparse_attention": _SECTION,
-    "compression_training": _SECTION,
     "data_efficiency": _OFF,
     "curriculum_learning": _OFF,
     "amp": _OFF,

@@ -106,6 +106,12 @@ class ZeroConfig(ConfigSection):
     """Elements gathered per collective call after the optimizer step (stages 1/2)."""
     overlap_comm: Bool | None = None
     """Overlap gradient reduction with the backward pass; unset = true at stage 3, false otherwise."""
+    deepfleet_local_grad_accumulation: Bool = False
+    """deepfleet's own key (not DeepSpeed's). Stage 2 with gradient accumulation: false (DeepSpeed's
+    semantics) reduce-scatters gradients into the partitioned shards on every micro-step, so full
+    gradients never outlive their bucket; true accumulates full gradients locally and communicates only
+    on the boundary micro-step (1/gradient_accumulation_steps of the traffic, but 4 bytes per parameter
+    of full fp32 gradients held through the window). Ignored at other stages."""
     round_robin_gradients: Bool = False
     """Stages 1/2 with CPU offload: spread gradient copies to host over ranks in round-robin order."""
     sub_group_size: Int = Field(1_000_000_000, ge=0)
