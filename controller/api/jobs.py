@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio.to_thread
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import Field
@@ -107,7 +108,8 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
 async def submit_job(request: Request, principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> JobDetail:
     require(principal, "member", "submit jobs")
     body = await request.body()
-    spec = await run_in_threadpool(_parse_body, body, request.headers.get("content-type", ""))
+    spec = await anyio.to_thread.run_sync(_parse_body, body, request.headers.get("content-type", ""),
+                                          limiter=getattr(request.app.state, "parse_limiter", None))
     if spec.metadata.project != principal.project:
         raise ApiError(403, "token project mismatch", errors=[
             f"metadata.project: this token belongs to project {principal.project!r}, not "
