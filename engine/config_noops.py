@@ -79,10 +79,6 @@ NO_OPS: dict[str, NoOp] = {
         "FSDP2 reduce-scatters one block's gradients at a time; stages 0-2 read it.", stages=(3,),
     ),
     # other sections
-    "optimizer.params.torch_adam": NoOp(
-        "Chose between DeepSpeed's fused Adam kernel and torch's class; both compute the same update, and this "
-        "engine always uses torch's."
-    ),
     "prescale_gradients": NoOp(
         "Moves DeepSpeed's division by the world size before the sum to keep fp16 sums in range; every strategy "
         "here reduces in fp32, where the order makes no difference."
