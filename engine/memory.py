@@ -1,7 +1,8 @@
 """Per-rank model-state memory, measured from the tensors a ZeRO strategy really holds.
 
-Callers: the engine (`HighWater`, sampled through every step), the planner's checks against its
-estimates, and the tests that show what each ZeRO stage saves. Bytes come from storages, not from shapes: views that share a storage
+Callers: the engine (`HighWater`, sampled through every step; its peak reaches the step's
+`StepMetrics`), `benchmarks/zero_stages.py` and `benchmarks/zero_memory.py`, and the tests that show
+what each ZeRO stage saves. Bytes come from storages, not from shapes: views that share a storage
 (gradients living in DDP buckets, shards narrowed out of a padded buffer) count once, at the full size
 of the storage, so padding and flat buffers are included. A storage that appears in several categories
 is charged to the first of `MODEL_STATE_CATEGORIES` that holds it, so the categories add up to the total.

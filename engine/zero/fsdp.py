@@ -1,7 +1,7 @@
 """ZeRO stage 3: parameters, gradients and optimizer state sharded, on FSDP2 (`fully_shard`).
 
-Built by `engine/build.py` for `zero_optimization.stage = 3`. Each child of every `nn.ModuleList` (the
-transformer blocks) becomes its own FSDP unit, then the root: a block's parameters are all-gathered just
+Built by `engine/build.py` for `zero_optimization.stage = 3`. Each transformer block (`engine/blocks.py`)
+becomes its own FSDP unit, then the root: a block's parameters are all-gathered just
 before it runs and freed after, and its gradients are reduce-scattered as backward leaves it. Parameters
 become `DTensor`s sharded on dim 0, so the optimizer steps on the local shards directly and the state
 dict from `get_state_dict` already has the layout `ZeroStrategy.state_dict()` promises.
@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from deepfleet.engine.blocks import blocks
 from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 
 
@@ -50,8 +51,7 @@ class FSDPStrategy:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
-        for block in blocks:
+        for block in blocks(model):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         self.module = model
