@@ -111,7 +111,7 @@ class ZeroConfig(ConfigSection):
     semantics) reduce-scatters gradients into the partitioned shards on every micro-step, so full
     gradients never outlive their bucket; true accumulates full gradients locally and communicates only
     on the boundary micro-step (1/gradient_accumulation_steps of the traffic, but 4 bytes per parameter
-    of full fp32 gradients held through the window). Ignored at other stages."""
+    of full fp32 gradients held through the window). Read at stage 2 only."""
     round_robin_gradients: Bool = False
     """Stages 1/2 with CPU offload: spread gradient copies to host over ranks in round-robin order."""
     sub_group_size: Int = Field(1_000_000_000, ge=0)
@@ -192,6 +192,7 @@ READ_AT_STAGES: dict[str, frozenset[int]] = {
     "allgather_bucket_size": frozenset({1, 2}),
     "reduce_scatter": frozenset({1, 2}),
     "round_robin_gradients": frozenset({1, 2}),
+    "deepfleet_local_grad_accumulation": frozenset({2}),
     "sub_group_size": frozenset({3}),
     "stage3_prefetch_bucket_size": frozenset({3}),
     "stage3_param_persistence_threshold": frozenset({3}),

@@ -204,6 +204,6 @@ def test_a_param_group_reduces_over_its_own_process_group(runs: dict, stage: int
             p.grad = grads[name].clone()
         torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1).step()
         assert r["unmixed"] and r["b_bucket_size"] == [1]
-        assert r["keys"] == [[], []]  # "process_group" is the strategy's, not the optimizer's
+        assert all("process_group" not in keys for keys in r["keys"])  # the strategy's, not the optimizer's
         for name, p in model.named_parameters():
             assert step_err(r["params"][name], p.detach(), grads[name]) <= 1e-5, (rank, name)
