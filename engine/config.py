@@ -21,8 +21,8 @@ Layout decision: the sections stay flat `engine/config*.py` modules rather than 
 package or files beside each section's owner. Many modules across engine, worker and controller
 import these paths, and the import contracts name them (`engine.config*` is what the controller
 may use and what must stay torch-free); moving them would churn every importer for no behaviour
-change. A new section is a new `config_<name>.py` here, or a `config.py` beside its feature
-(`engine/compression/config.py`); the import contracts cover both forms without edits.
+change. A new section is a new `config_<name>.py` here (`config_compression` holds
+`compression_training`); the import contracts cover it without edits.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
-from deepfleet.engine.compression.config import CompressionConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_optim import (
     OPTIMIZER_TYPES,

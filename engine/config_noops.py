@@ -78,7 +78,7 @@ NO_OPS: dict[str, NoOp] = {
     "zero_optimization.reduce_bucket_size": NoOp(
         "FSDP2 reduce-scatters one block's gradients at a time; stages 0-2 read it.", stages=(3,),
     ),
-    # compression_training (engine/compression/config.py)
+    # compression_training (engine/config_compression.py)
     "compression_training.weight_quantization.shared_parameters.quantizer_kernel": NoOp(
         "Chose DeepSpeed's CUDA quantizer kernel; the torch quantizer here computes the same values."
     ),

@@ -87,7 +87,7 @@ CASES: list[tuple[str, str, str]] = [
     ("controller-schema-only", "engine/brand_new.py", '"""A module added after the contract was written."""'),
     ("schema-leaves", "worker/spec.py", "import sqlalchemy"),
     ("schema-leaves", "engine/config_noops.py", "import fastapi"),
-    ("schema-leaves", "engine/compression/config.py", "import torch"),
+    ("schema-leaves", "engine/config_compression.py", "import torch"),
     ("triton-only-in-kernels-triton", "engine/optim.py", "import triton"),
     ("triton-only-in-kernels-triton", "kernels/rope.py", "from deepfleet.kernels._triton import rope"),
     ("controller-layers", "controller/spec.py", "import deepfleet.controller.db.models"),

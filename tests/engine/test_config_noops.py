@@ -40,21 +40,20 @@ def _leaves(model: type[BaseModel], path: str = "") -> set[str]:
 
 
 def _code() -> tuple[str, str]:
-    """(code, section code): every engine/worker/kernels module except the top-level config models, and
-    the section models that live beside their feature (`engine/compression/config.py`), whose
-    validators and properties may read their own fields."""
+    """(code, config code): every engine/worker/kernels module except the config models, and the config
+    models, whose validators and properties may read their own fields."""
     files = [p for top in ("engine", "worker", "kernels") for p in (ROOT / top).rglob("*.py")]
     code = [p for p in files if not p.name.startswith("config")]
-    sections = [p for p in files if p.name.startswith("config") and p.parent != ROOT / "engine"]
+    sections = [p for p in files if p.name.startswith("config")]
     return "\n".join(p.read_text() for p in code), "\n".join(p.read_text() for p in sections)
 
 
 def _read(leaf: str, code: tuple[str, str]) -> bool:
     name = re.escape(leaf.rsplit(".", 1)[-1])
     # code: an attribute, a quoted key, or a keyword parameter fed by a section's model_dump();
-    # section models: an attribute read (their field declarations do not count)
+    # config models: a validator or property reading its own field (declarations do not count)
     return (re.search(rf"\.{name}\b|[\"']{name}[\"']|\b{name}\s*(:|=(?!=))", code[0]) is not None
-            or re.search(rf"\.{name}\b", code[1]) is not None)
+            or re.search(rf"\bself\.{name}\b", code[1]) is not None)
 
 
 # Fields whose validators refuse every value but DeepSpeed's default ("not supported yet"): not silent.
