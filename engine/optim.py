@@ -14,8 +14,9 @@ Lamb and Lion are not in torch, so they are written here as `torch.optim.Optimiz
 per-group hyper-parameters, state in `self.state` (so `state_dict()`/`load_state_dict()` and
 `torch.distributed.checkpoint` work as for torch's optimizers), and a multi-tensor step on
 `torch._foreach_*` ops (the same ops torch's own optimizers use) with a per-tensor fallback.
-Lamb's trust ratio needs whole-parameter norms: for DTensor parameters (ZeRO-3) the norm is reduced
-over the shards; for plain tensors it is the norm of the tensor the optimizer holds.
+Lamb's trust ratio needs whole-parameter norms: for DTensor parameters (the row shards of ZeRO-1/2 and
+the FSDP2 shards of ZeRO-3) the norm is reduced over the shards; for plain tensors (stage 0) it is the
+norm of the tensor the optimizer holds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from deepfleet.engine import comm
 from deepfleet.engine.config_optim import (
     AdagradConfig,
     AdamConfig,
@@ -84,11 +86,25 @@ def _check_hparams(lr: float, betas: tuple[float, float], weight_decay: float) -
 
 
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each whole tensor (DTensor shards reduced to the full parameter's norm), shape (n,)."""
-    norms = []
-    for n in torch._foreach_norm(tensors):
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    return torch.stack([n.double() for n in norms])  # a handful of scalars; float64 keeps ratios exact
+    """L2 norm of each whole tensor, shape (n,), float64 (a handful of scalars; keeps ratios exact).
+
+    A sharded DTensor (ZeRO-1/2 row shards, ZeRO-3 FSDP2 shards) is normed as the whole parameter:
+    the squares of the local shards are summed over the mesh, one all-reduce per mesh for the whole
+    list rather than one per tensor."""
+    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    squares = torch.stack([n.double() for n in torch._foreach_norm(locals_)]).pow(2)  # (n,)
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor) and any(p.is_shard() for p in t.placements):
+            if t.device_mesh.ndim == 1:
+                by_mesh.setdefault(id(t.device_mesh), (t.device_mesh, []))[1].append(i)
+            else:  # a multi-dimensional mesh: let DTensor reduce it
+                squares[i] = torch.linalg.vector_norm(t, dtype=torch.float64).full_tensor().pow(2)
+    for mesh, index in by_mesh.values():
+        part = squares[index]  # a copy (advanced indexing)
+        comm.all_reduce(part, group=mesh.get_group())
+        squares[index] = part
+    return squares.sqrt()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

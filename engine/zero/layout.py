@@ -16,7 +16,8 @@ each shard padded to `c * row_numel` elements, so one `reduce_scatter_single` le
 concatenation of its own shards (its "segment"), and one `all_gather_single` of the segments rebuilds
 every full parameter. PyTorch has no such flat-buffer partitioner for replicated parameters (FSDP2 keeps
 parameters sharded at rest, `ZeroRedundancyOptimizer` partitions whole parameters and broadcasts), hence
-this module. It uses only the 2.13 collective names (`reduce_scatter_single`, `all_gather_single`).
+this module. Its collectives go through `engine/comm.py` (counted; torch 2.13's `reduce_scatter_single` and
+`all_gather_single` underneath).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from deepfleet.engine import comm
 
 
 @dataclass(frozen=True)
@@ -271,11 +274,11 @@ def reduce_scatter(
     assert flat.numel() == bucket.flat_numel and segment.numel() == bucket.segment_numel
     group = bucket.group
     if _gloo(group):
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        work = comm.all_reduce(flat, op=comm.ReduceOp.SUM, group=group, async_op=async_op)
         source, start = flat, bucket.rank * bucket.segment_numel
     else:
         out = torch.empty_like(segment) if accumulate else segment
-        work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        work = comm.reduce_scatter_tensor(out, flat, op=comm.ReduceOp.SUM, group=group, async_op=async_op)
         source, start = out, 0
     landing = Landing(
         work if async_op else None,
@@ -305,9 +308,9 @@ def all_gather_params(bucket: Bucket) -> None:
             flat = torch.zeros(bucket.flat_numel, dtype=dtype, device=device)
             start = bucket.rank * bucket.segment_numel
             flat[start : start + bucket.segment_numel].copy_(segment)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            comm.all_reduce(flat, op=comm.ReduceOp.SUM, group=group)
         else:
             flat = torch.empty(bucket.flat_numel, dtype=dtype, device=device)
-            dist.all_gather_single(flat, segment, group=group)
+            comm.all_gather_into_tensor(flat, segment, group=group)
         for i, p in enumerate(bucket.params):
             bucket.unpack(flat, i, p.detach())

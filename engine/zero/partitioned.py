@@ -68,6 +68,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from deepfleet.engine import comm
 from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 from deepfleet.engine.zero.layout import (
     Bucket,
@@ -107,8 +108,8 @@ class _Partitioned(ABC):
     ) -> None:
         self.module = model
         self.group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
+        self.world_size = comm.get_world_size(process_group)
+        self.rank = comm.get_rank(process_group)
         self.overlap_comm = bool(zero_config.overlap_comm)
         self.compute_dtype = compute_dtype
         self.mixed = compute_dtype != _MASTER_DTYPE
@@ -137,7 +138,7 @@ class _Partitioned(ABC):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         with torch.no_grad():  # buffers are replicated over the data-parallel group, as DDP does
             for t in model.buffers():
-                dist.broadcast(t.detach(), group=self.group, group_src=0)
+                comm.broadcast(t.detach(), group=self.group, group_src=0)
         self._groups_of: list[dist.ProcessGroup | None] | None = None  # per parameter, once laid out
         self._inflight: list[Landing] = []  # reductions not yet landed (their flats are alive)
         self._staged: list[torch.Tensor] = []  # flat buffers being packed (stage 1)
@@ -169,10 +170,10 @@ class _Partitioned(ABC):
             del _LAYOUT_HOOKS[self.module]
         with torch.no_grad():  # every replica starts from its group rank 0's weights, as DDP does
             for p, pg in zip(self._params, groups_of, strict=True):
-                dist.broadcast(p.detach(), group=pg, group_src=0)
+                comm.broadcast(p.detach(), group=pg, group_src=0)
         self._groups_of = list(groups_of)
         self._slots: list[Slot] = [
-            make_slot(n, p.shape, offset=0, world_size=dist.get_world_size(pg), rank=dist.get_rank(pg))
+            make_slot(n, p.shape, offset=0, world_size=comm.get_world_size(pg), rank=comm.get_rank(pg))
             for n, p, pg in zip(self._names, self._params, groups_of, strict=True)
         ]
         # Masters come from the fp32 model before the cast, so they are exact.
@@ -192,7 +193,7 @@ class _Partitioned(ABC):
                 order.append(pg)
         for pg in order:
             named = [(n, p) for n, p, g in zip(self._names, self._params, groups_of, strict=True) if g is pg]
-            size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+            size, rank = comm.get_world_size(pg), comm.get_rank(pg)
             reduce = build_buckets(named, bucket_numel=self._reduce_numel, world_size=size, rank=rank, group=pg)
             start = len(self._reduce_buckets)
             self._queues.append(list(range(start, start + len(reduce))))
@@ -383,7 +384,7 @@ class _Partitioned(ABC):
         local = _local(value).detach()
         if len(slot.shape) == 0:
             scalar = local.reshape(()).clone() if slot.local_rows else local.new_empty(())
-            dist.broadcast(scalar, group=self._groups_of[i], group_src=0)
+            comm.broadcast(scalar, group=self._groups_of[i], group_src=0)
             return scalar
         return value.detach() if isinstance(value, DTensor) else self._dtensor(local, i)
 

@@ -280,6 +280,28 @@ def _groups(rank: int, world_size: int, stage: int) -> dict:
     return out
 
 
+def _own_process_group(rank: int, world_size: int, stage: int) -> dict:
+    """`odd`'s `b` is rank-local, like an expert on an expert-parallel rank: its param group carries a
+    process group of this rank alone, so it is reduced over that group (not averaged with the other
+    ranks) while the rest is data-parallel over the default group."""
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    model = make_model("odd")
+    strategy = STAGES[stage](model, compute_dtype=torch.float32, zero_config=zero_config(stage, bucket=12))
+    dense = [p for n, p in model.named_parameters() if n != "b"]
+    param_groups = [{"params": dense}, {"params": [model.b], "process_group": groups[rank]}]
+    mapped = strategy.optimizer_param_groups(param_groups)
+    optimizer = torch.optim.AdamW(mapped, lr=LR, weight_decay=0.1)
+    strategy.bind_optimizer(optimizer)
+    out = _step(
+        model, strategy, optimizer, rank_slice(global_batch("odd", MICRO * world_size), rank, world_size)
+    )
+    group_of = {id(p): g for p, g in zip(strategy._params, strategy._groups_of, strict=True)}
+    out["unmixed"] = all(group_of[id(p)] is b.group for b in strategy._reduce_buckets for p in b.params)
+    out["b_bucket_size"] = [b.world_size for b in strategy._reduce_buckets if any(p is model.b for p in b.params)]
+    out["keys"] = [sorted(k for k in g if k != "params") for g in mapped]
+    return out
+
+
 def engine_batches(world_size: int) -> list[dict[str, torch.Tensor]]:
     """Two global batches of 2 micro-steps x MICRO samples per rank."""
     return [global_batch("gpt", 2 * MICRO * world_size, seed=10 + step) for step in range(2)]
@@ -366,6 +388,7 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
                 out["accumulate2-local"] = _accumulate(rank, world_size, stage, local=True)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
             out[f"groups{stage}"] = _groups(rank, world_size, stage)
+            out[f"own-group{stage}"] = _own_process_group(rank, world_size, stage)
             out["reinitialized"] = _reinitialized(rank, world_size)
             out[f"fp16-{stage}"] = _fp16(rank, world_size, stage)
     for case in ("gpt", "odd", "gpt-bf16"):

@@ -1,5 +1,5 @@
 """Every optimizer the config accepts (Adam, AdamW, SGD, Adagrad, Lamb, Lion) trains the same at ZeRO
-stages 1, 2 and 3 as at stage 0: fp32, 5 optimizer steps of 2 accumulated micro-steps, on 2 gloo
+stages 1, 2 and 3 as at stage 0: fp32, 5 optimizer steps, on 2 gloo
 ranks, and LAMB at stages 1/2 on 3 ranks (uneven row splits).
 
 Stages 1/2 hand the optimizer `DTensor` `Shard(0)` views of each rank's rows, so whole-tensor math is
