@@ -28,7 +28,10 @@ from pydantic import (
     model_validator,
 )
 
+from deepfleet.controller.bounds import DocumentTooLarge, check_yaml_node
 from deepfleet.worker.spec import (
+    MAX_NODES,
+    MAX_STEPS,
     MISSING_STEPS,
     Checkpoint,
     Entrypoint,
@@ -44,6 +47,8 @@ KIND = "TrainingJob"
 
 # Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
 MAX_NAME_LEN = 40
+# Every number has a range (the database columns are 32-bit; no real job is near these): MAX_NODES and
+# MAX_STEPS live with the shared sections in worker/spec.py.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes-style label keys: an optional DNS prefix and "/", then a name of up to 63 chars.
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -96,7 +101,7 @@ class Resources(_Section):
     """CPU per node as a Kubernetes quantity ("2", "500m")."""
     memory: Annotated[str | None, Field(pattern=QUANTITY)] = None
     """Memory per node as a Kubernetes quantity ("8Gi")."""
-    gpu: Annotated[int, Field(ge=0)] = 0
+    gpu: Annotated[int, Field(ge=0, le=64)] = 0
     """GPUs per node."""
     gpu_type: str | None = None
     """Accelerator type (a node label value on Kubernetes, a VM size hint on Azure ML)."""
@@ -131,7 +136,7 @@ class Toleration(_Section):
     """Taint value to match with operator Equal."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     """Taint effect to tolerate; null: every effect."""
-    toleration_seconds: int | None = None
+    toleration_seconds: Annotated[int | None, Field(ge=0, le=2**31 - 1)] = None
     """NoExecute only: how long the pod stays bound after the taint appears; null: forever."""
 
 
@@ -152,7 +157,7 @@ class KubernetesOptions(_Section):
     """Size of the /dev/shm memory volume (NCCL and dataloader workers need more than the 64Mi default)."""
     kueue_queue: str | None = None
     """Kueue LocalQueue name; when set, admission is left to Kueue."""
-    termination_grace_period_seconds: Annotated[int | None, Field(ge=0)] = None
+    termination_grace_period_seconds: Annotated[int | None, Field(ge=0, le=86_400)] = None
     """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
     checkpoint_claim: Annotated[str | None, Field(max_length=253, pattern=DNS_LABEL)] = None
     """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod, so every attempt
@@ -174,11 +179,11 @@ class TrainingSpec(_Section):
     image: str | None = None
     """Worker container image; required by kubernetes and azureml, ignored by local."""
     nodes: Annotated[
-        Annotated[Annotated[int, Field(ge=1)], Tag("fixed")] | Annotated[Nodes, Tag("elastic")],
+        Annotated[Annotated[int, Field(ge=1, le=MAX_NODES)], Tag("fixed")] | Annotated[Nodes, Tag("elastic")],
         Discriminator(_nodes_kind),
     ] = 1
     """Number of nodes, or {min, max} for an elastic job."""
-    processes_per_node: Annotated[int, Field(ge=1)] = 1
+    processes_per_node: Annotated[int, Field(ge=1, le=1024)] = 1
     """Training processes per node (GPUs per node on real clusters)."""
     resources: Resources = Resources()
     """What each node asks the cluster for (Kubernetes requests/limits, Azure ML instance type hints)."""
@@ -196,7 +201,7 @@ class TrainingSpec(_Section):
     checkpoint: Checkpoint | None = None
     """Where training checkpoints and resumes from; null: no checkpoints (a restart starts over)."""
     restart_policy: RestartPolicy = RestartPolicy()
-    max_steps: Annotated[int | None, Field(ge=1)] = None
+    max_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
     """Optimizer steps to train: required for a factory entrypoint (the managed loop's length); a script
     receives it as DEEPFLEET_MAX_STEPS (and `deepfleet.engine.initialize` as its budget)."""
     priority: Priority = "normal"
@@ -338,12 +343,15 @@ def _errors_from(exc: ValidationError) -> list[str]:
     return seen
 
 
-def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
+def _validate_engine(spec: JobSpec, *, base_dir: Path | None, read_files: bool = True) -> list[str]:
     """Check the engine config at the job's world sizes; errors re-pathed under spec.engine."""
     engine = spec.spec.engine
     if engine is None:
         return []
     source: str | Path | dict[str, Any] = engine
+    if isinstance(engine, str) and not read_files:
+        return ["spec.engine: the server reads no files named in a spec; put the engine config inline "
+                "(`deepfleet submit` inlines the file it names)"]
     if isinstance(engine, str):
         path = Path(engine).expanduser()
         if not path.is_absolute():
@@ -377,8 +385,10 @@ def stored_spec(document: Any) -> JobSpec:
         raise SpecError(_errors_from(e)) from None
 
 
-def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
-    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError."""
+def validate_job(document: Any, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
+    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError.
+
+    `read_files=False` (the server): an engine config given as a path is refused, never opened."""
     if not isinstance(document, dict):
         raise SpecError([f"(document): expected a mapping with apiVersion, kind, metadata, spec; "
                          f"got {type(document).__name__}"])
@@ -386,7 +396,7 @@ def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
         spec = JobSpec.model_validate(document)
     except ValidationError as e:
         raise SpecError(_errors_from(e)) from None
-    errors = _validate_engine(spec, base_dir=base_dir)
+    errors = _validate_engine(spec, base_dir=base_dir, read_files=read_files)
     if errors:
         raise SpecError(errors)
     return spec
@@ -417,16 +427,24 @@ _StrictLoader.add_implicit_resolver(
 )
 
 
-def parse_job_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
+def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
     """Parse a YAML (or JSON) job document; raises SpecError with one line per problem.
 
     A relative `spec.engine` path resolves against `base_dir` (default: the working directory).
     """
+    loader = _StrictLoader(text)
     try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is not None:
+            check_yaml_node(node)  # before any object is built: an alias bomb stops here
+        document = loader.construct_document(node) if node is not None else None
+    except DocumentTooLarge as e:
+        raise SpecError([str(e)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError([f"(document): malformed YAML{where}: {problem}; fix the syntax"]) from None
-    return validate_job(document, base_dir=base_dir)
+    finally:
+        loader.dispose()
+    return validate_job(document, base_dir=base_dir, read_files=read_files)

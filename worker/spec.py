@@ -41,8 +41,13 @@ JOB_ID_ENV = "DEEPFLEET_JOB_ID"
 ATTEMPT_ENV = "DEEPFLEET_ATTEMPT"
 HEARTBEAT_URL_ENV = "DEEPFLEET_HEARTBEAT_URL"
 TOKEN_ENV = "DEEPFLEET_TOKEN"
+# Admin allow-listed module prefixes an entrypoint factory may name although they are installed packages.
+FACTORY_MODULES_ENV = "DEEPFLEET_FACTORY_MODULES"
 
 SIGNAL_EXIT_BASE = 128
+# Every number has a range (the controller's database columns are 32-bit; no real job is near these).
+MAX_NODES = 4096
+MAX_STEPS = 10**9
 
 
 # ---------------------------------------------------------------------------------------------- exit codes
@@ -237,9 +242,9 @@ Entrypoint = Annotated[
 class Nodes(Section):
     """Elastic node range: training runs with any node count in [min, max] (torchrun --nnodes MIN:MAX)."""
 
-    min: Annotated[int, Field(ge=1)] = 1
+    min: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
     """Fewest nodes the job may run on (an elastic job shrinks and reshards down to this)."""
-    max: Annotated[int, Field(ge=1)] = 1
+    max: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
     """Most nodes the job asks for."""
 
     @model_validator(mode="after")
@@ -256,10 +261,13 @@ class Checkpoint(Section):
     dir: Annotated[str, Field(min_length=1)]
     """Checkpoint directory shared by all nodes (a shared path or mounted volume); every attempt resumes
     from its newest complete checkpoint."""
-    every_steps: Annotated[int | None, Field(ge=1)] = None
+    every_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
     """Save every N optimizer steps; null saves only on preemption and at the end."""
-    keep_last: Annotated[int | None, Field(ge=1)] = None
+    keep_last: Annotated[int | None, Field(ge=1, le=10_000)] = None
     """Keep only the newest N complete checkpoints; null keeps all."""
+    resume_from: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9-]+$")] = None
+    """Id of an earlier job of the same project whose newest complete checkpoint this job starts from;
+    null starts fresh (a job never picks up another job's checkpoints by name)."""
 
 
 class RestartPolicy(Section):
@@ -268,14 +276,14 @@ class RestartPolicy(Section):
     elastic agent restarts its process group inside one attempt, without rescheduling). The only place
     that holds the restart defaults: the reconciler, the lifecycle and the worker all read them here."""
 
-    max_restarts: Annotated[int, Field(ge=0)] = 3
+    max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 3
     """New attempts after retryable failures (preemptions do not count). 0: the first failure is final,
     with neither a new attempt nor an in-place restart."""
-    in_place_restarts: Annotated[int, Field(ge=0)] = 3
+    in_place_restarts: Annotated[int, Field(ge=0, le=10_000)] = 3
     """In-place restarts of the process group per attempt, capped at maxRestarts. Never used for a
     failure the policy does not retry (invalid spec, out of memory, a user error without
     retryOnUserError): those end the attempt at once."""
-    backoff_seconds: Annotated[float, Field(ge=0)] = 5.0
+    backoff_seconds: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 5.0
     """Wait before a new attempt; doubles on each consecutive failure."""
     retry_on_user_error: bool = False
     """Also retry when the training code raised (worker exit 65); off by default, as a bug repeats."""
@@ -377,7 +385,7 @@ class WorkerSpec(_Model):
     """How often the elastic agent checks its processes."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     preemption: PreemptionSpec = PreemptionSpec()
-    max_steps: Annotated[int | None, Field(ge=1)] = None
+    max_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
     """Optimizer steps to train: the managed loop's length, a script's budget (DEEPFLEET_MAX_STEPS)."""
     log_every_steps: Annotated[int, Field(ge=1)] = 10
     """Managed loop: print a progress line every N steps."""
