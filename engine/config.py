@@ -37,8 +37,8 @@ from typing import Any
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
-from deepfleet.engine.compression.config import CompressionConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_optim import (
     OPTIMIZER_TYPES,
@@ -125,7 +125,10 @@ class DeepFleetConfig(ConfigSection):
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
         context = info.context or {}
-        problems = _resolve_batch(self, world_size=context.get("world_size", 1), auto=context.get("auto", set()))
+        problems = _resolve_batch(
+            self, world_size=context.get("world_size", 1), auto=context.get("auto", set()),
+            label=context.get("label", "world size"),
+        )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         if problems:
             raise ValueError("\n".join(problems))
@@ -142,8 +145,9 @@ def _precision_conflicts(*, fp16: Any, bf16: Any) -> list[str]:
     return []
 
 
-def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str]) -> list[str]:
-    """Fill in the batch triple (train_batch_size = micro * gas * world_size) or explain why not.
+def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str], label: str = "world size") -> list[str]:
+    """Fill in the batch triple (train_batch_size = micro * gas * data-parallel size) or explain why not.
+    `world_size` is that data-parallel size; `label` is how messages name it.
 
     `cfg` is the validated model or, before validation, a `_RawBatch` view of the raw dict, so that
     batch errors are reported even when other keys fail validation.
@@ -153,20 +157,20 @@ def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str]) -> list[str]:
     if tbs is not None and micro is not None and gas is not None:
         if tbs != micro * gas * ws:
             return [
-                f"train_batch_size: {tbs} != {micro} (micro) * {gas} (gas) * {ws} (world size) = {micro * gas * ws}; "
+                f"train_batch_size: {tbs} != {micro} (micro) * {gas} (gas) * {ws} ({label}) = {micro * gas * ws}; "
                 "fix one of the three or drop train_batch_size"
             ]
     elif tbs is not None and micro is not None:
         if tbs % (micro * ws):
             return [
-                f"train_batch_size: {tbs} is not divisible by {micro} (micro) * {ws} (world size) = {micro * ws}; "
+                f"train_batch_size: {tbs} is not divisible by {micro} (micro) * {ws} ({label}) = {micro * ws}; "
                 f"use a multiple of {micro * ws} or set gradient_accumulation_steps"
             ]
         gas = tbs // (micro * ws)
     elif tbs is not None and gas is not None:
         if tbs % (gas * ws):
             return [
-                f"train_batch_size: {tbs} is not divisible by {gas} (gas) * {ws} (world size) = {gas * ws}; "
+                f"train_batch_size: {tbs} is not divisible by {gas} (gas) * {ws} ({label}) = {gas * ws}; "
                 f"use a multiple of {gas * ws} or set train_micro_batch_size_per_gpu"
             ]
         micro = tbs // (gas * ws)
@@ -177,7 +181,7 @@ def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str]) -> list[str]:
         gas = 1
         if tbs % ws:
             return [
-                f"train_batch_size: {tbs} is not divisible by the world size {ws}; "
+                f"train_batch_size: {tbs} is not divisible by the {label} {ws}; "
                 f"use a multiple of {ws} or set train_micro_batch_size_per_gpu"
             ]
         micro = tbs // ws
@@ -211,11 +215,11 @@ class _RawBatch:
             setattr(self, key, None if value is None else int(value))
 
 
-def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: list[str]) -> None:
+def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: list[str], label: str) -> None:
     """Cross-key checks on the raw dict, so they are reported even when unrelated keys fail validation."""
     batch = _RawBatch(data)
     if batch.usable:
-        errors.extend(_resolve_batch(batch, world_size=world_size, auto=auto_batch))
+        errors.extend(_resolve_batch(batch, world_size=world_size, auto=auto_batch, label=label))
     fp16, bf16 = data.get("fp16"), data.get("bf16", data.get("bfloat16"))
     if isinstance(fp16, dict) and isinstance(bf16, dict):
         errors.extend(_precision_conflicts(fp16=fp16.get("enabled"), bf16=bf16.get("enabled")))
@@ -363,6 +367,7 @@ def load_config(
     source: dict | str | Path | DeepFleetConfig,
     *,
     world_size: int = 1,
+    dp_size: int | None = None,
     hidden_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
 ) -> DeepFleetConfig:
@@ -370,7 +375,9 @@ def load_config(
 
     `source`: a dict, a path to a .json/.yaml/.yml file, a JSON object string (or its base64, as
     DeepSpeed accepts), or an already loaded `DeepFleetConfig` (checked again). `world_size`:
-    data-parallel ranks, used to derive the batch triple. `hidden_size`: the model's hidden size,
+    the number of ranks; `dp_size`: the data-parallel ranks among them (default: all of them, which is
+    what they are when every other parallelism degree is 1), used to derive the batch triple
+    (train_batch_size = micro * gas * dp_size). `hidden_size`: the model's hidden size,
     used to resolve HF-style `"auto"` bucket sizes. `auto_values`: values for other `"auto"` keys,
     by dotted key (what a trainer integration knows, e.g. `{"optimizer.params.lr": 3e-5}`); they
     replace only keys whose value is `"auto"` and are validated like the rest.
@@ -382,6 +389,9 @@ def load_config(
         source = source.to_dict()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError([f"world_size: must be a positive integer, got {world_size!r}; pass world_size >= 1"])
+    if dp_size is not None and (isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1):
+        raise ConfigError([f"dp_size: must be a positive integer, got {dp_size!r}; pass dp_size >= 1"])
+    label, dp = ("world size", world_size) if dp_size is None else ("data-parallel size", dp_size)
     data = read_source(source, errors)
     if data is None:
         raise ConfigError(errors)
@@ -393,9 +403,9 @@ def load_config(
     auto_batch: set[str] = set()
     _drop_auto_out_of_stage(data)
     _resolve_auto(data, path="", fill=fill, auto_batch=auto_batch, errors=errors)
-    _raw_checks(data, world_size=world_size, auto_batch=auto_batch, errors=errors)
+    _raw_checks(data, world_size=dp, auto_batch=auto_batch, errors=errors, label=label)
     try:
-        cfg = DeepFleetConfig.model_validate(data, context={"world_size": world_size, "auto": auto_batch})
+        cfg = DeepFleetConfig.model_validate(data, context={"world_size": dp, "auto": auto_batch, "label": label})
     except ValidationError as e:
         for err in e.errors():
             errors.extend(_translate(err))

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from deepfleet.engine import job_env
+from deepfleet.engine import comm, job_env
 from deepfleet.engine.build import Training, build_training
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
+from deepfleet.engine.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +41,14 @@ class DeepFleetEngine(nn.Module):
         *,
         config: Any,
         training: Training,
+        parallel: ParallelDims,
         training_dataloader: TrainingDataLoader | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         super().__init__()
         self.module = model  # the user's unwrapped model (its parameters may be sharded at stage 3)
         self.config = config
+        self.parallel = parallel  # degrees, the mesh and the data-parallel group (engine/parallel.py)
         self.sharding = training.sharding
         self.precision = training.precision
         self.optimizer = training.optimizer
@@ -59,9 +61,7 @@ class DeepFleetEngine(nn.Module):
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self.sinks: list[StepSink] = list(training.sinks)  # called with each step's StepMetrics, in order
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        dp_size = config.train_batch_size // (config.train_micro_batch_size_per_gpu * config.gradient_accumulation_steps)
-        self._recorder = StepRecorder(rank=rank, dp_size=dp_size, clock=clock)
+        self._recorder = StepRecorder(rank=comm.get_rank(), dp_size=parallel.dp_size, clock=clock)
         # model-state high-water mark over the current optimizer step, and the last completed step's
         self.memory = HighWater(self.sharding)
         self.peak_model_state_bytes = 0
@@ -247,8 +247,6 @@ def initialize(
     string in DeepSpeed's format. `optimizer` is a torch optimizer over the model's parameters or a
     factory taking param groups; `lr_scheduler` a scheduler or a factory taking the optimizer.
     Raises ValueError (ConfigError for the config) naming the offending argument or key."""
-    from deepfleet.engine.config import DeepFleetConfig, load_config
-
     if model is None:
         raise ValueError("model: required; pass model=<your torch.nn.Module>")
     if mpu is not None:
@@ -261,24 +259,55 @@ def initialize(
     if source is None:
         raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
     ensure_process_group()
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    cfg = source if isinstance(source, DeepFleetConfig) else load_config(source, world_size=world_size)
+    world_size, rank = comm.get_world_size(), comm.get_rank()
+    cfg, parallel = _config_and_degrees(source, world_size=world_size)
     if cfg.dump_state and rank == 0:
         logger.info("engine config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
 
-    model.to(training_device())
+    device = training_device()
+    parallel.build_mesh(device.type)
+    model.to(device)
     training = build_training(
-        model, cfg, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+        model,
+        cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        process_group=parallel.dp_group,
     )
     loader = None
     if training_data is not None:
         loader = build_dataloader(
             training_data,
             micro_batch_size=cfg.train_micro_batch_size_per_gpu,
-            num_replicas=world_size,
-            rank=rank,
+            num_replicas=parallel.dp_size,
+            rank=parallel.dp_rank,
             seed=cfg.seed,
             collate_fn=collate_fn,
         )
-    engine = DeepFleetEngine(model, config=cfg, training=training, training_dataloader=loader)
+    engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelDims]:
+    """The resolved config and the parallelism degrees it asks for, over `world_size` ranks.
+
+    The degrees come from config sections, and the batch arithmetic needs the data-parallel size they
+    leave: parse once with every rank data-parallel (exact while no section sets another degree),
+    read the degrees, and re-resolve the batch from the source when data parallelism is narrower."""
+    from deepfleet.engine.config import DeepFleetConfig, load_config
+
+    if isinstance(source, DeepFleetConfig):
+        cfg = source
+    else:
+        cfg = load_config(source, world_size=world_size)
+    try:
+        parallel = ParallelDims.from_config(cfg, world_size=world_size)
+    except ValueError as e:
+        from deepfleet.engine.config import ConfigError
+
+        raise ConfigError([str(e)]) from None
+    if parallel.dp_size != world_size:
+        cfg = load_config(cfg.to_dict() if isinstance(source, DeepFleetConfig) else source,
+                          world_size=world_size, dp_size=parallel.dp_size)
+    return cfg, parallel

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from deepfleet.engine import comm
+
 _ACCUMULATE = torch.float32  # dtype the squared norms are summed in
 
 
@@ -42,7 +44,7 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | No
         flag = flags.to(torch.float32).reshape(1)
     else:
         flag = torch.zeros(1, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=group)
     return bool(flag.item() > 0)
 
 
@@ -78,7 +80,7 @@ def global_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None =
     total = _sum_of_squares([t for t in whole if t.numel()], device)
     for pg, tensors in by_group.values():
         square = _sum_of_squares([t for t in tensors if t.numel()], device)
-        dist.all_reduce(square, op=dist.ReduceOp.SUM, group=pg)
+        comm.all_reduce(square, op=comm.ReduceOp.SUM, group=pg)
         total = total + square
     for g in per_tensor:
         norm = torch.linalg.vector_norm(g, dtype=_ACCUMULATE).full_tensor()
