@@ -327,7 +327,7 @@ class LocalBackend:
         if hasattr(entry, "script"):
             script = resolve_inside(code, entry.script, field="spec.entrypoint.script")
             update["entrypoint"] = entry.model_copy(update={"script": str(script)})
-        if ws.checkpoint.dir:
+        if ws.checkpoint is not None:
             ckpt = resolve_inside(area.checkpoints, ws.checkpoint.dir, field="spec.checkpoint.dir")
             update["checkpoint"] = ws.checkpoint.model_copy(update={"dir": str(ckpt)})
             source = sub.spec.spec.checkpoint.resume_from if sub.spec.spec.checkpoint else None
