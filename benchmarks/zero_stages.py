@@ -30,6 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+# GPT sizes by parameter count. "27m" is the model of the first ZeRO-3 comparison against DeepSpeed
+# (27.4M parameters: 6 blocks of 3.15M, two 4.2M embedding/head matrices).
+MODEL_SIZES = {
+    "5m": {"d_model": 256, "layers": 4, "vocab": 4096, "seq": 128},
+    "27m": {"d_model": 512, "layers": 6, "vocab": 8192, "seq": 128},
+}
+
+
 def bench_config(stage: int, *, micro_batch: int, torch_adam: bool, bf16: bool) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -112,13 +120,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="5m",
+                    help="a named GPT size; --d-model/--layers/--vocab/--seq override its fields")
+    ap.add_argument("--d-model", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--fused-adam", action="store_true", help="let each engine pick its own AdamW kernel")
+    ap.add_argument("--profile", action="store_true",
+                    help="rank 0 prints torch.profiler's op table over the timed steps to stderr")
     args = ap.parse_args()
+    for key, value in MODEL_SIZES[args.model_size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     import torch
     import torch.distributed as dist
@@ -146,26 +161,41 @@ def main() -> None:
     data = SyntheticTokens(num_samples=args.micro_batch * world * (args.steps + args.warmup), seq_len=args.seq,
                            vocab_size=args.vocab, seed=1)
     times, losses = [], []
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     report: dict = {"bytes": {}}
     last = args.warmup + args.steps - 1
+    profiler = None
     for step in range(args.warmup + args.steps):
+        if args.profile and step == args.warmup:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
         lo = (step * world + rank) * args.micro_batch
         batch = torch.utils.data.default_collate([data[i] for i in range(lo, lo + args.micro_batch)])
         dist.barrier()
         t0 = time.perf_counter()
         loss = engine(batch)
+        t1 = time.perf_counter()
         engine.backward(loss)
+        t2 = time.perf_counter()
         if step == last:
             # Model states at their peak: after backward (gradients held), with optimizer state allocated.
             report["bytes"] = measure(engine, args.impl)
+        t2b = time.perf_counter()
         engine.step()
         dist.barrier()
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
         avg = loss.detach().float().clone()
         dist.all_reduce(avg)
         losses.append(round(avg.item() / world, 6))
         if step >= args.warmup:
-            times.append(dt)
+            times.append(t3 - t0 - (t2b - t2))
+            phases["forward"].append(t1 - t0)
+            phases["backward"].append(t2 - t1)
+            phases["step"].append(t3 - t2b)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        if rank == 0:
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
 
     gathered = [None] * world
     dist.all_gather_object(gathered, report["bytes"])
@@ -179,6 +209,7 @@ def main() -> None:
             "params": n_params,
             "bytes_per_rank": gathered,
             "step_time_median_s": round(median, 5),
+            "phase_median_s": {k: round(statistics.median(v), 5) for k, v in phases.items()},
             "tokens_per_s": round(args.micro_batch * world * args.seq / median, 1),
             "losses": losses,
         }), flush=True)

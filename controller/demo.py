@@ -79,9 +79,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     data_dir = (args.data_dir or ROOT / "runs" / f"demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     document = json.loads(load_job_document(args.job))
-    checkpoint_dir = data_dir / "checkpoints"
-    if document["spec"].get("checkpoint"):
-        document["spec"]["checkpoint"]["dir"] = str(checkpoint_dir)  # fresh, so the demo trains from step 0
     port = _free_port()
     print(f"starting the controller (SQLite + local backend) at http://127.0.0.1:{port}/ui/ ...", flush=True)
     proc = start_controller(data_dir, port)
@@ -96,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_controller(proc)
     attempt = final["attempts"][-1]["run_name"] if final["attempts"] else None
+    # Each job checkpoints inside its own area, so the demo trains from step 0 every time.
+    ckpt = (document["spec"].get("checkpoint") or {}).get("dir", "")
+    checkpoint_dir = data_dir / "jobs" / final["project"] / final["id"] / "checkpoints" / ckpt
     latest = checkpoint_dir / "latest"
     print(f"job {final['name']}: {final['phase']} after {len(final['attempts'])} attempt(s)")
     if latest.exists():

@@ -30,6 +30,7 @@ from deepfleet.controller.api import web
 from deepfleet.controller.app import create_app
 from deepfleet.controller.backends.base import Backend, BackendError
 from deepfleet.controller.backends.local import LocalBackend
+from deepfleet.controller.confine import closed_ancestor
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
 from deepfleet.controller.scheduler import UNLIMITED, Limit
 from deepfleet.controller.settings import Settings, SettingsError
@@ -61,7 +62,11 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
     out: list[tuple[Backend, Limit]] = []
     for name in settings.backends:
         if name == "local":
-            local = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command)
+            local = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command,
+                                 jobs_dir=settings.jobs_root, run_as=settings.run_as,
+                                 project_users=settings.project_users,
+                                 env_passthrough=tuple(settings.local_env_passthrough),
+                                 factory_modules=tuple(settings.factory_modules))
             out.append((local, Limit(processes=slots)))
         elif name == "kubernetes":
             from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, connect
@@ -150,6 +155,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"deepfleet server: {line}", file=sys.stderr)
         return 2
     import uvicorn
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.data_dir, 0o711)  # others (the jobs' users) may reach their areas, never list it
+    if "local" in settings.backends and (settings.run_as or settings.project_users):
+        closed = closed_ancestor(settings.jobs_root)
+        if closed is not None:
+            print(f"deepfleet server: DEEPFLEET_JOBS_DIR: {settings.jobs_root} lies under {closed}, which the jobs' "
+                  "user cannot enter; set DEEPFLEET_JOBS_DIR to a directory such as /var/lib/deepfleet/jobs",
+                  file=sys.stderr)
+            return 2
 
     command = args.worker_command.split() if args.worker_command else None
     try:

@@ -31,11 +31,16 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from deepfleet.controller.bounds import DocumentTooLarge, check_yaml_node
+
 API_VERSION = "deepfleet/v1"
 KIND = "TrainingJob"
 
 # Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
 MAX_NAME_LEN = 40
+# Every number has a range (the database columns are 32-bit; no real job is near these).
+MAX_NODES = 4096
+MAX_STEPS = 10**9
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes-style label keys: an optional DNS prefix and "/", then a name of up to 63 chars.
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -105,9 +110,9 @@ class Metadata(_Section):
 
 
 class ElasticNodes(_Section):
-    min: Annotated[int, Field(ge=1)]
+    min: Annotated[int, Field(ge=1, le=MAX_NODES)]
     """Fewest nodes the job may run on (it shrinks and reshards down to this)."""
-    max: Annotated[int, Field(ge=1)]
+    max: Annotated[int, Field(ge=1, le=MAX_NODES)]
     """Most nodes the job asks for."""
 
     @model_validator(mode="after")
@@ -122,7 +127,7 @@ class Resources(_Section):
     """CPU per node as a Kubernetes quantity ("2", "500m")."""
     memory: Annotated[str | None, Field(pattern=QUANTITY)] = None
     """Memory per node as a Kubernetes quantity ("8Gi")."""
-    gpu: Annotated[int, Field(ge=0)] = 0
+    gpu: Annotated[int, Field(ge=0, le=64)] = 0
     """GPUs per node."""
     gpu_type: str | None = None
     """Accelerator type (a node label value on Kubernetes, a VM size hint on Azure ML)."""
@@ -183,16 +188,19 @@ def _engine_kind(value: Any) -> str | None:
 class Checkpoint(_Section):
     dir: Annotated[str, Field(min_length=1)]
     """Checkpoint directory (a shared path or mounted volume); the job resumes from its `latest` tag."""
-    every_steps: Annotated[int | None, Field(ge=1)] = None
+    every_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
     """Save every N optimizer steps; null saves only on preemption and at the end."""
-    keep_last: Annotated[int | None, Field(ge=1)] = None
+    keep_last: Annotated[int | None, Field(ge=1, le=10_000)] = None
     """Keep only the newest N complete checkpoints; null keeps all."""
+    resume_from: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9-]+$")] = None
+    """Id of an earlier job of the same project whose newest complete checkpoint this job starts from;
+    null starts fresh (a job never picks up another job's checkpoints by name)."""
 
 
 class RestartPolicy(_Section):
-    max_restarts: Annotated[int, Field(ge=0)] = 3
+    max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 3
     """Restarts allowed for retryable failures (preemptions do not count against it)."""
-    backoff_seconds: Annotated[float, Field(ge=0)] = 5.0
+    backoff_seconds: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 5.0
     """Wait before a new attempt; doubles on each consecutive failure."""
     retry_on_user_error: bool = False
     """Also retry when the training code raised (worker exit 65); off by default, as a bug repeats."""
@@ -203,7 +211,7 @@ class Toleration(_Section):
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: Annotated[int | None, Field(ge=0, le=2**31 - 1)] = None
 
 
 class KubernetesOptions(_Section):
@@ -218,7 +226,7 @@ class KubernetesOptions(_Section):
     """Size of the /dev/shm memory volume (NCCL and dataloader workers need more than the 64Mi default)."""
     kueue_queue: str | None = None
     """Kueue LocalQueue name; when set, admission is left to Kueue."""
-    termination_grace_period_seconds: Annotated[int | None, Field(ge=0)] = None
+    termination_grace_period_seconds: Annotated[int | None, Field(ge=0, le=86_400)] = None
     """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
     checkpoint_claim: Annotated[str | None, Field(max_length=253, pattern=DNS_LABEL)] = None
     """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod, so every attempt
@@ -240,11 +248,11 @@ class TrainingSpec(_Section):
     image: str | None = None
     """Worker container image; required by kubernetes and azureml, ignored by local."""
     nodes: Annotated[
-        Annotated[Annotated[int, Field(ge=1)], Tag("fixed")] | Annotated[ElasticNodes, Tag("elastic")],
+        Annotated[Annotated[int, Field(ge=1, le=MAX_NODES)], Tag("fixed")] | Annotated[ElasticNodes, Tag("elastic")],
         Discriminator(_nodes_kind),
     ] = 1
     """Number of nodes, or {min, max} for an elastic job."""
-    processes_per_node: Annotated[int, Field(ge=1)] = 1
+    processes_per_node: Annotated[int, Field(ge=1, le=1024)] = 1
     """Training processes per node (GPUs per node on real clusters)."""
     resources: Resources = Resources()
     entrypoint: Entrypoint
@@ -390,12 +398,15 @@ def _errors_from(exc: ValidationError) -> list[str]:
     return seen
 
 
-def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
+def _validate_engine(spec: JobSpec, *, base_dir: Path | None, read_files: bool = True) -> list[str]:
     """Check the engine config at the job's world sizes; errors re-pathed under spec.engine."""
     engine = spec.spec.engine
     if engine is None:
         return []
     source: str | Path | dict[str, Any] = engine
+    if isinstance(engine, str) and not read_files:
+        return ["spec.engine: the server reads no files named in a spec; put the engine config inline "
+                "(`deepfleet submit` inlines the file it names)"]
     if isinstance(engine, str):
         path = Path(engine).expanduser()
         if not path.is_absolute():
@@ -420,8 +431,10 @@ def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
     return errors
 
 
-def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
-    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError."""
+def validate_job(document: Any, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
+    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError.
+
+    `read_files=False` (the server): an engine config given as a path is refused, never opened."""
     if not isinstance(document, dict):
         raise SpecError([f"(document): expected a mapping with apiVersion, kind, metadata, spec; "
                          f"got {type(document).__name__}"])
@@ -429,7 +442,7 @@ def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
         spec = JobSpec.model_validate(document)
     except ValidationError as e:
         raise SpecError(_errors_from(e)) from None
-    errors = _validate_engine(spec, base_dir=base_dir)
+    errors = _validate_engine(spec, base_dir=base_dir, read_files=read_files)
     if errors:
         raise SpecError(errors)
     return spec
@@ -454,16 +467,24 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def parse_job_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
+def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
     """Parse a YAML (or JSON) job document; raises SpecError with one line per problem.
 
     A relative `spec.engine` path resolves against `base_dir` (default: the working directory).
     """
+    loader = _StrictLoader(text)
     try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is not None:
+            check_yaml_node(node)  # before any object is built: an alias bomb stops here
+        document = loader.construct_document(node) if node is not None else None
+    except DocumentTooLarge as e:
+        raise SpecError([str(e)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError([f"(document): malformed YAML{where}: {problem}; fix the syntax"]) from None
-    return validate_job(document, base_dir=base_dir)
+    finally:
+        loader.dispose()
+    return validate_job(document, base_dir=base_dir, read_files=read_files)

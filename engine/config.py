@@ -14,7 +14,14 @@ validation (types, ranges, cross-field checks) -> translate pydantic's errors to
 
 Siblings: `config_base` (ConfigError, strict number/bool types), `config_source` (reading files
 and strings), `config_keys` (unknown and not-yet-supported keys), `config_optim` (optimizer and
-scheduler sections), `config_zero` (zero_optimization).
+scheduler sections), `config_zero` (zero_optimization, typed per stage, and `ConfigWarning`),
+`config_noops` (accepted keys that change nothing, with the reason; mirrored in docs/engine.md).
+
+Layout decision: the sections stay flat `engine/config*.py` modules rather than a `config/`
+package or files beside each section's owner. Many modules across engine, worker and controller
+import these paths, and the import contracts name them (`engine.config*` is what the controller
+may use and what must stay torch-free); moving them would churn every importer for no behaviour
+change. A new section is a new `config_<name>.py` here, added to the `schema-leaves` contract.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ import copy
 import difflib
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
+from deepfleet.engine.compression.config import CompressionConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_optim import (
@@ -39,9 +48,9 @@ from deepfleet.engine.config_optim import (
     SchedulerConfig,
 )
 from deepfleet.engine.config_source import read_source
-from deepfleet.engine.config_zero import ZeroConfig
+from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
-__all__ = ["ConfigError", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
+__all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
 
 AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -110,6 +119,8 @@ class DeepFleetConfig(ConfigSection):
     """Allow a caller-supplied optimizer that is not one of the built-in types with ZeRO stages >= 1."""
     dump_state: Bool = False
     """Print the resolved config at initialization."""
+    compression_training: CompressionConfig | None = None
+    """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
@@ -221,6 +232,16 @@ def _legacy_forms(data: dict, errors: list[str]) -> None:
     if isinstance(data.get("zero_optimization"), bool):
         errors.append('zero_optimization: the boolean form is not supported; write {"stage": 1} (or 0)')
         del data["zero_optimization"]
+
+
+def _drop_auto_out_of_stage(data: dict) -> None:
+    """HF's "auto" for a knob the configured ZeRO stage does not read means "the default": drop it, so it
+    neither needs the hidden size nor resolves to a value that would be reported as out of stage."""
+    zero = data.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for key in [k for k, v in zero.items() if v == AUTO and is_out_of_stage(k, zero.get("stage", 0))]:
+        del zero[key]
 
 
 def _canonical_type(data: dict, section: str, known: tuple[str, ...], unsupported: tuple[str, ...],
@@ -360,7 +381,8 @@ def load_config(
     used to resolve HF-style `"auto"` bucket sizes. `auto_values`: values for other `"auto"` keys,
     by dotted key (what a trainer integration knows, e.g. `{"optimizer.params.lr": 3e-5}`); they
     replace only keys whose value is `"auto"` and are validated like the rest.
-    Raises `ConfigError` listing every problem.
+    Raises `ConfigError` listing every problem; warns `ConfigWarning` (one per key) for a ZeRO knob set
+    to a non-default value at a stage that does not read it (see `config_zero`).
     """
     errors: list[str] = []
     if isinstance(source, DeepFleetConfig):  # re-resolve a loaded config, e.g. at another world size
@@ -379,6 +401,7 @@ def load_config(
     check_keys(data, DeepFleetConfig, path="", errors=errors)
     fill = {**(_hf_bucket_sizes(hidden_size) if hidden_size else {}), **dict(auto_values or {})}
     auto_batch: set[str] = set()
+    _drop_auto_out_of_stage(data)
     _resolve_auto(data, path="", fill=fill, auto_batch=auto_batch, errors=errors)
     _raw_checks(data, world_size=dp, auto_batch=auto_batch, errors=errors, label=label)
     try:
@@ -390,4 +413,6 @@ def load_config(
     if errors:
         # Deduplicated (the raw checks and the model may say the same thing) and sorted by key.
         raise ConfigError(sorted(dict.fromkeys(errors)))
+    for line in out_of_stage(cfg.zero_optimization):
+        warnings.warn(ConfigWarning(line), stacklevel=2)
     return cfg

@@ -39,6 +39,8 @@ JOB_ID_ENV = "DEEPFLEET_JOB_ID"
 ATTEMPT_ENV = "DEEPFLEET_ATTEMPT"
 HEARTBEAT_URL_ENV = "DEEPFLEET_HEARTBEAT_URL"
 TOKEN_ENV = "DEEPFLEET_TOKEN"
+# Admin allow-listed module prefixes an entrypoint factory may name although they are installed packages.
+FACTORY_MODULES_ENV = "DEEPFLEET_FACTORY_MODULES"
 
 SIGNAL_EXIT_BASE = 128
 

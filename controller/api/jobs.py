@@ -37,13 +37,17 @@ from deepfleet.controller.api.schemas import (
     MetricPoint,
     Metrics,
 )
+from deepfleet.controller.bounds import MAX_DEPTH, DocumentTooLarge, check_document, short_errors
 from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
+from deepfleet.controller.policy import submit_errors
 from deepfleet.controller.spec import JobSpec, SpecError, parse_job_yaml, validate_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
+MAX_LABEL_FILTERS = 16
+LABEL_HELP = "key=value; repeat to require several (at most 16)."
 PhaseParam = Literal[JOB_PHASES]  # type: ignore[valid-type]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -75,14 +79,19 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
         if media == "application/json":
             try:
                 document = json.loads(text)
+                check_document(document)
             except json.JSONDecodeError as e:
                 raise SpecError([f"(document): malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}; "
                                  "fix the syntax"]) from None
-            return validate_job(document)
+            except RecursionError:
+                raise SpecError([f"(document): more than {MAX_DEPTH} levels of nesting; shorten it"]) from None
+            except DocumentTooLarge as e:
+                raise SpecError([str(e)]) from None
+            return validate_job(document, read_files=False)
         if media in YAML_TYPES or media == "":
-            return parse_job_yaml(text)
+            return parse_job_yaml(text, read_files=False)
     except SpecError as e:
-        raise ApiError(422, "invalid job spec", errors=e.errors) from None
+        raise ApiError(422, "invalid job spec", errors=short_errors(e.errors)) from None
     raise ApiError(415, f"unsupported content type {media!r}; send application/yaml or application/json")
 
 
@@ -100,6 +109,10 @@ async def submit_job(request: Request, principal: PrincipalDep, session: Session
         raise ApiError(403, "token project mismatch", errors=[
             f"metadata.project: this token belongs to project {principal.project!r}, not "
             f"{spec.metadata.project!r}; submit with a token of that project or change metadata.project"])
+    refused = submit_errors(spec, policy=request.app.state.policies.for_project(spec.metadata.project),
+                            default_namespace=settings.k8s_namespace, factory_modules=tuple(settings.factory_modules))
+    if refused:
+        raise ApiError(422, "job not allowed for this project", errors=refused)
 
     def create() -> JobDetail:
         try:
@@ -133,6 +146,9 @@ def _labels(label: list[str]) -> dict[str, str]:
     out = {}
     for i, item in enumerate(label):
         key, sep, value = item.partition("=")
+        if len(item) > 317:  # a label key (253 + "/" + 63 at most) "=" a value (63)
+            raise ApiError(422, "invalid label filter", errors=[f"query.label[{i}]: longer than any label; "
+                                                                "shorten it"])
         if not sep or not key:
             raise ApiError(422, "invalid label filter", errors=[f"query.label[{i}]: {item!r} is not key=value; "
                                                                 "write it like team=nlp"])
@@ -148,7 +164,7 @@ def list_jobs(
     phase: Annotated[PhaseParam | None, Query(description="Only jobs in this phase.")] = None,
     queue: Annotated[str | None, Query(max_length=63)] = None,
     name: Annotated[str | None, Query(max_length=63)] = None,
-    label: Annotated[list[str], Query(description="key=value; repeat to require several.")] = [],  # noqa: B006
+    label: Annotated[list[str], Query(max_length=MAX_LABEL_FILTERS, description=LABEL_HELP)] = [],  # noqa: B006
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page.")] = None,
 ) -> JobList:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from deepfleet.engine import comm
+from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 from deepfleet.engine.zero.optim_state import (
     ensure_optimizer_state,
     fqn_optimizer_state,
@@ -129,22 +130,13 @@ class DDPStrategy:
             grads.append(m.grad)
         if grads and grad_scale != 1.0:
             torch._foreach_div_(grads, grad_scale)
-        local_bad = sum(1 for g in grads if not torch.isfinite(g).all()) if grads else 0
         # Gradients are identical after the all-reduce, but agree explicitly so a rank whose
         # gradients were altered after the reduction cannot step alone.
-        flag = torch.tensor([float(local_bad)], device=self._masters[0].device)
-        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=self._group)
-        return bool(flag.item() > 0)
+        return any_nonfinite(grads, self._group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        grads = [m.grad for m in self._masters if m.grad is not None]
-        if not grads:
-            return 0.0
-        # Every rank holds the same full gradients, so the local norm is the global norm.
-        norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
-        if max_norm > 0 and norm > max_norm:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        return norm
+        # Every rank holds the same full gradients (plain tensors): the local norm is the global norm.
+        return clip_by_global_norm_([m.grad for m in self._masters if m.grad is not None], max_norm, None)
 
     def after_optimizer_step(self) -> None:
         if self._masters is self._params:

@@ -45,7 +45,7 @@ def test_killed_node_restarts_with_backoff_and_resumes_from_checkpoint(tmp_path:
     sessions = sqlite(tmp_path)
     rec = reconciler(sessions, tmp_path)
     doc = job_document("retry", args=["--steps", "6", "--fail-node", "1", "--fail-code", "137", "--fail-at-step", "4",
-                                      "--step-s", "0.1"], ckpt=tmp_path / "ckpt", backoff=30)
+                                      "--step-s", "0.1"], ckpt="ckpt", backoff=30)
     job_id = insert_job(sessions, doc)
     clock = [datetime.now(timezone.utc)]
     restarting = drive(rec, sessions, job_id, {"RESTARTING", "FAILED", "SUCCEEDED"}, now=lambda: clock[0])

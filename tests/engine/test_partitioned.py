@@ -64,12 +64,19 @@ def test_one_step_matches_single_process_adamw(runs: dict, world_size: int, stag
     assert worst_param <= 1e-5, worst_param
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_accumulation_is_silent_until_the_boundary(runs: dict, stage: int) -> None:
+@pytest.mark.parametrize("case", ["1", "2", "2-local"])
+def test_accumulation_communicates_as_the_stage_says(runs: dict, case: str) -> None:
+    """Stage 1, and stage 2 with deepfleet_local_grad_accumulation, are silent until the boundary;
+    stage 2 by default (DeepSpeed's semantics) reduce-scatters every bucket on every micro-step, so
+    no full gradient outlives its bucket."""
+    stage = int(case[0])
     ref_params, ref_grads, _ = reference_step("gpt", global_batch("gpt", 2 * MICRO * 2), micro_steps=2)
-    for r in (run[f"accumulate{stage}"] for run in runs[2]):
+    for r in (run[f"accumulate{case}"] for run in runs[2]):
         first, boundary_backward, finish = r["counts"]
-        assert first == 0  # no collective while accumulating
+        if case == "2":
+            assert first == r["buckets"] > 1  # every bucket reduced during the first micro-step too
+        else:
+            assert first == 0  # no collective while accumulating
         if stage == 2:
             # every bucket is reduce-scattered during the boundary backward; finish only agrees on inf/nan
             assert boundary_backward == r["buckets"] > 1
