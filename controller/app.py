@@ -7,6 +7,7 @@ bootstrap admin token. Errors are answered as `{"detail": ..., "errors": ["<fiel
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -84,9 +85,12 @@ def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log
     sessions = make_session_factory(engine)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         # Threads for every admitted request plus the streaming/log helpers: the pool never starves them.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.max_inflight_requests + 8
+        # Parsing a job is pure CPU under the GIL: more parsers than cores only starve the event loop
+        # (and /healthz with it), so they queue here instead.
+        served.state.parse_limiter = anyio.CapacityLimiter(os.cpu_count() or 2)
         if settings.migrate_on_start:
             from deepfleet.controller.db.migrate import upgrade_head
 

@@ -1,8 +1,8 @@
 """`blocks(model)`: the model's repeated transformer blocks, in forward order — the one answer to "what
 are the layers" for every feature that works block by block.
 
-Callers: `zero/fsdp.py` (each block becomes its own FSDP2 unit); activation checkpointing wraps the same
-blocks and pipeline parallelism splits stages on them. One place decides, so the three always agree.
+Caller: `zero/fsdp.py` (each block becomes its own FSDP2 unit). Activation checkpointing and pipeline
+stages, when they land, are to wrap and split on the same list, so the three always agree.
 
 How the blocks are found, first rule that gives any:
 1. An explicit override on the model or any submodule: `deepfleet_blocks`, either a dotted attribute

@@ -37,8 +37,8 @@ from typing import Any
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
-from deepfleet.engine.compression.config import CompressionConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_optim import (
     OPTIMIZER_TYPES,

@@ -54,8 +54,8 @@ NO_OPS: dict[str, NoOp] = {
         "parameter's own shard, so there is no flat group to tile."
     ),
     "zero_optimization.stage3_prefetch_bucket_size": NoOp(
-        "FSDP2 prefetches the next block's all-gather during the current block's forward and backward; the "
-        "amount is one block, not a number of elements."
+        "FSDP2 all-gathers one wrapped block at a time and overlaps the next block's all-gather by its own "
+        "prefetch policy; how far ahead is not set in elements."
     ),
     "zero_optimization.stage3_param_persistence_threshold": NoOp(
         "FSDP2 shards every parameter of each wrapped block; small parameters are not kept whole."
@@ -79,10 +79,6 @@ NO_OPS: dict[str, NoOp] = {
         "FSDP2 reduce-scatters one block's gradients at a time; stages 0-2 read it.", stages=(3,),
     ),
     # other sections
-    "optimizer.params.torch_adam": NoOp(
-        "Chose between DeepSpeed's fused Adam kernel and torch's class; both compute the same update, and this "
-        "engine always uses torch's."
-    ),
     "prescale_gradients": NoOp(
         "Moves DeepSpeed's division by the world size before the sum to keep fp16 sums in range; every strategy "
         "here reduces in fp32, where the order makes no difference."

@@ -13,8 +13,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio.to_thread
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from pydantic import Field
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
@@ -41,13 +43,15 @@ from deepfleet.controller.bounds import MAX_DEPTH, DocumentTooLarge, check_docum
 from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
 from deepfleet.controller.policy import submit_errors
-from deepfleet.controller.spec import JobSpec, SpecError, parse_job_yaml, validate_job
+from deepfleet.controller.spec import DNS_LABEL, JobSpec, SpecError, parse_job_yaml, validate_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
 MAX_LABEL_FILTERS = 16
 LABEL_HELP = "key=value; repeat to require several (at most 16)."
+# A label key (253 + "/" + 63 at most) "=" a value (63 at most).
+LabelFilter = Annotated[str, Field(pattern=r"^[^=]+=.*$", max_length=317)]
 PhaseParam = Literal[JOB_PHASES]  # type: ignore[valid-type]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -104,7 +108,8 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
 async def submit_job(request: Request, principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> JobDetail:
     require(principal, "member", "submit jobs")
     body = await request.body()
-    spec = await run_in_threadpool(_parse_body, body, request.headers.get("content-type", ""))
+    spec = await anyio.to_thread.run_sync(_parse_body, body, request.headers.get("content-type", ""),
+                                          limiter=getattr(request.app.state, "parse_limiter", None))
     if spec.metadata.project != principal.project:
         raise ApiError(403, "token project mismatch", errors=[
             f"metadata.project: this token belongs to project {principal.project!r}, not "
@@ -160,13 +165,15 @@ def _labels(label: list[str]) -> dict[str, str]:
 def list_jobs(
     principal: PrincipalDep,
     session: SessionDep,
-    project: Annotated[str | None, Query(description="Only this project (must be the token's own).")] = None,
+    project: Annotated[str | None, Query(max_length=63, pattern=DNS_LABEL,
+                                         description="Only this project (must be the token's own).")] = None,
     phase: Annotated[PhaseParam | None, Query(description="Only jobs in this phase.")] = None,
-    queue: Annotated[str | None, Query(max_length=63)] = None,
-    name: Annotated[str | None, Query(max_length=63)] = None,
-    label: Annotated[list[str], Query(max_length=MAX_LABEL_FILTERS, description=LABEL_HELP)] = [],  # noqa: B006
+    queue: Annotated[str | None, Query(max_length=63, pattern=DNS_LABEL)] = None,
+    name: Annotated[str | None, Query(max_length=63, pattern=DNS_LABEL)] = None,
+    label: Annotated[list[LabelFilter], Query(max_length=MAX_LABEL_FILTERS, description=LABEL_HELP)] = [],  # noqa: B006
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page.")] = None,
+    cursor: Annotated[str | None, Query(max_length=512, pattern=r"^[A-Za-z0-9_-]+$",
+                                        description="next_cursor of the previous page.")] = None,
 ) -> JobList:
     if project is not None and project != principal.project:
         return JobList(items=[], total=0, next_cursor=None)  # another project's jobs are invisible
@@ -230,8 +237,16 @@ def _log_path(request: Request, session: Any, job: Job, *, attempt: int | None, 
     return request.app.state.log_locator(run.run_name, node)
 
 
+# The log route answers text/plain; its errors are JSON like every other route's.
+JSON_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": spec["description"],
+           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for code, spec in {**ERRORS, 422: {"description": "Invalid query parameters."}}.items()
+}
+
+
 @router.get(
-    "/{job_id}/logs", response_class=PlainTextResponse, responses=ERRORS,
+    "/{job_id}/logs", response_class=PlainTextResponse, responses=JSON_ERRORS,
     summary="A job's log (one node of one attempt); tail it or follow it",
 )
 def job_logs(

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from deepfleet.engine.compression.config import CompressionConfig
 from deepfleet.engine.compression.layers import WRAPPERS, CompressedMixin
+from deepfleet.engine.config_compression import CompressionConfig
 
 MARKER = "_deepfleet_compression"  # attribute set on a model init_compression has prepared
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from deepfleet.engine.compression.compress import MARKER, _unwrap, technique_targets
-from deepfleet.engine.compression.config import CompressionConfig
 from deepfleet.engine.compression.layers import CompressedMixin
 from deepfleet.engine.compression.masks import head_columns
 from deepfleet.engine.compression.quantized import (
@@ -31,6 +30,7 @@ from deepfleet.engine.compression.quantized import (
     QuantizedWeight,
 )
 from deepfleet.engine.compression.quantizers import _grid, quantize_codes
+from deepfleet.engine.config_compression import CompressionConfig
 
 HEAD_COUNT_ATTRS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
 

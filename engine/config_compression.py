@@ -1,8 +1,10 @@
 """The `compression_training` config section: DeepSpeed Compression's keys, defaults and meanings.
 
 Read by `deepfleet.engine.config` (the section is a field of the engine config, so a DeepSpeed config
-with a `compression_training` block parses unchanged) and by `compress.init_compression` /
-`redundancy_clean`, which also accept the raw DeepSpeed dict or path. Torch-free.
+with a `compression_training` block parses unchanged) and by `engine/compression/compress.py`
+(`init_compression` / `redundancy_clean`, which also accept the raw DeepSpeed dict or path). Torch-free.
+It lives beside config.py, not inside engine/compression/, for the reason config_zero.py does: the
+controller validates engine configs and may import only `engine.config*` (import contracts in pyproject).
 
 Every technique has DeepSpeed's two parts: `shared_parameters` (switch, method, schedule) and
 `different_groups` (named groups, each with its own `params`, the `modules` it applies to as regular
