@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deepfleet.controller.api import health, jobs, queues, tokens, workers
 from deepfleet.controller.api.deps import ApiError
 from deepfleet.controller.api.load import RequestGate, install_outage_handler
-from deepfleet.controller.api.logs import LogLocator, file_log_locator
+from deepfleet.controller.api.logs import LogLocator, LogReader, file_log_locator
 from deepfleet.controller.db.auth import ensure_bootstrap_token
 from deepfleet.controller.db.session import make_engine, make_session_factory
 from deepfleet.controller.policy import Policies
@@ -75,10 +75,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return doc
 
 
-def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log_poll_s: float = 0.5) -> FastAPI:
+def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_locator: LogLocator | None = None,
+               log_poll_s: float = 0.5) -> FastAPI:
     """The controller API bound to `settings` (database, limits, tokens).
 
-    `log_locator` maps (run name, node) to a log file; default `<logs_dir>/<run name>/node-<i>.log`.
+    `log_reader` serves job logs from the backends (`Backend.logs()`, wired by `controller/server.py`);
+    without one, logs are read from files: `log_locator` maps (run name, node) to a log file, by default
+    `<logs_dir>/<run name>/node-<i>.log`.
     """
     # One connection per request in flight, plus room for the reconcilers and the metrics collector.
     engine = make_engine(settings.db_url, pool_size=settings.max_inflight_requests, max_overflow=16)
@@ -117,6 +120,7 @@ def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.log_reader = log_reader
     app.state.log_locator = log_locator or file_log_locator(settings.logs_root)
     app.state.log_poll_s = log_poll_s
     app.state.metrics = health.ApiMetrics(sessions)

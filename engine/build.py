@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from deepfleet.engine import comm
 from deepfleet.engine.metrics import StepSink, sinks_from_env
 from deepfleet.engine.precision import Precision, build_precision
 from deepfleet.engine.progress import ProgressLog
@@ -109,7 +109,7 @@ def build_training(
 
 def step_sinks(config: Any) -> list[StepSink]:
     """The sinks every engine gets: the progress log line, then those named by DEEPFLEET_STEP_SINKS."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = comm.get_rank()
     progress = ProgressLog(config.steps_per_print, wall_clock_breakdown=config.wall_clock_breakdown, rank=rank)
     return [progress, *sinks_from_env()]
 

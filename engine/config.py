@@ -21,7 +21,8 @@ Layout decision: the sections stay flat `engine/config*.py` modules rather than 
 package or files beside each section's owner. Many modules across engine, worker and controller
 import these paths, and the import contracts name them (`engine.config*` is what the controller
 may use and what must stay torch-free); moving them would churn every importer for no behaviour
-change. A new section is a new `config_<name>.py` here, added to the `schema-leaves` contract.
+change. A new section is a new `config_<name>.py` here (`config_compression` holds
+`compression_training`); the import contracts cover it without edits.
 """
 
 from __future__ import annotations

@@ -78,6 +78,19 @@ NO_OPS: dict[str, NoOp] = {
     "zero_optimization.reduce_bucket_size": NoOp(
         "FSDP2 reduce-scatters one block's gradients at a time; stages 0-2 read it.", stages=(3,),
     ),
+    # compression_training (engine/config_compression.py)
+    "compression_training.weight_quantization.shared_parameters.quantizer_kernel": NoOp(
+        "Chose DeepSpeed's CUDA quantizer kernel; the torch quantizer here computes the same values."
+    ),
+    "compression_training.weight_quantization.shared_parameters.quantize_verbose": NoOp(
+        "Makes DeepSpeed log each bit-width switch; training is the same, and no such log line exists here."
+    ),
+    "compression_training.sparse_pruning.shared_parameters.excluded_modules": NoOp(
+        "Read by DeepSpeed only for snip_momentum pruning, which is refused; l1 and topk ignore it there too."
+    ),
+    "compression_training.sparse_pruning.shared_parameters.dense_ratio": NoOp(
+        "Read by DeepSpeed only for snip_momentum pruning; l1 and topk use each group's dense_ratio."
+    ),
     # other sections
     "prescale_gradients": NoOp(
         "Moves DeepSpeed's division by the world size before the sum to keep fp16 sums in range; every strategy "

@@ -7,7 +7,8 @@ DeepSpeed's `runtime/zero/config.py` and `offload_config.py`. Read by the ZeRO s
 
 Typed per stage: `READ_AT_STAGES` names the knobs that only some stages read (DeepSpeed's own split:
 its stage-1/2 optimizer takes `allgather_*`, `reduce_scatter` and `round_robin_gradients`, its
-stage-3 optimizer the `stage3_*` knobs and `sub_group_size`), and `out_of_stage` reports each one
+stage-3 optimizer the `stage3_*` knobs and `sub_group_size`; our own
+`deepfleet_local_grad_accumulation` is stage 2's), and `out_of_stage` reports each one
 set at a stage that does not read it. The rule, and why:
 - at DeepSpeed's default value (or HF's `"auto"`) such a knob is accepted silently: published
   example configs carry them at every stage (HF's and DeepSpeed's templates, LLaVA's `zero2.json`

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepfleet.engine import comm
+from deepfleet.engine import comm, job_env
 from deepfleet.engine.build import Training, build_training
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
@@ -254,6 +254,8 @@ def initialize(
     source = config if config is not None else config_params
     if source is None:
         source = getattr(args, "deepspeed_config", None)
+    if source is None:  # a script run by a deepfleet job: the spec's engine config
+        source = job_env.engine_config()
     if source is None:
         raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
     ensure_process_group()

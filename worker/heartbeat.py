@@ -212,7 +212,7 @@ def step_sink(environ: Mapping[str, str] | None = None) -> HeartbeatSink | None:
         spec = load_worker_spec(environ=env)
         if isinstance(spec.entrypoint, FactoryEntrypoint):
             return None  # the managed loop (worker/train.py) adds its own HeartbeatSink
-        hb, ckpt_dir = spec.heartbeat, spec.checkpoint.dir
+        hb, ckpt_dir = spec.heartbeat, (spec.checkpoint.dir if spec.checkpoint else None)
     else:
         hb = HeartbeatSpec(url=env.get(HEARTBEAT_URL_ENV), token=env.get(TOKEN_ENV))
     if hb.url is None:

@@ -1,7 +1,7 @@
 """The managed training loop, for jobs whose entrypoint is a factory instead of a script.
 
 Caller: `worker/agent.py` (`child_main`, in every training process). The factory
-(`entrypoint.factory`, "pkg.mod:function", called with `entrypoint.kwargs`) returns a `ManagedJob`:
+(`entrypoint.factory`, "pkg.mod:function", called with `entrypoint.args` as keyword arguments) returns a `ManagedJob`:
 the model, the training data set and optionally a loss function. The loop builds the engine with
 `deepfleet.engine.initialize`, resumes from the newest *complete* checkpoint under `checkpoint.dir`
 (model, optimizer, LR schedule, data position and RNG, at any world size), trains to `max_steps`
@@ -86,7 +86,7 @@ def build_job(entry: FactoryEntrypoint) -> ManagedJob:
             raise WorkerSpecError([f"entrypoint.factory: {module_name!r} has no {attr!r}; name a function "
                                    "defined in that module"])
         obj = getattr(obj, part)
-    job = obj(**entry.kwargs)
+    job = obj(**entry.args)
     if isinstance(job, Mapping):
         job = ManagedJob(**job)
     if not isinstance(job, ManagedJob):
@@ -130,7 +130,7 @@ def run_managed(spec: WorkerSpec) -> None:
                                                  collate_fn=job.collate_fn)
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    ckpt_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else None
+    ckpt_dir = Path(spec.checkpoint.dir) if spec.checkpoint else None
     last_ckpt: str | None = None
     if ckpt_dir is not None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def run_managed(spec: WorkerSpec) -> None:
         nonlocal last_ckpt
         if ckpt_dir is None:
             return
-        engine.save_checkpoint(ckpt_dir, keep_last=spec.checkpoint.keep_last)
+        engine.save_checkpoint(ckpt_dir, keep_last=spec.checkpoint.keep_last if spec.checkpoint else None)
         last_ckpt = find_latest_complete(ckpt_dir)
 
     # Heartbeats and the progress line read the engine's StepMetrics (the step seam); nothing is
@@ -166,7 +166,7 @@ def run_managed(spec: WorkerSpec) -> None:
             if engine.global_steps == before:
                 continue  # not an accumulation boundary
             step = engine.global_steps
-            if ckpt_dir is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+            if spec.checkpoint is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
                 save()
                 saved_at = step
             metrics = heartbeat.last

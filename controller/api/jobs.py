@@ -9,8 +9,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
@@ -28,7 +28,7 @@ from deepfleet.controller.api.deps import (
     project_job,
     require,
 )
-from deepfleet.controller.api.logs import follow, tail_bytes
+from deepfleet.controller.api.logs import LogReader, LogUnavailable, follow, tail_bytes
 from deepfleet.controller.api.schemas import (
     ErrorBody,
     EventList,
@@ -229,12 +229,12 @@ def job_metrics(
     return Metrics(job_id=job.id, points=[MetricPoint.of(r) for r in reversed(rows)])
 
 
-def _log_path(request: Request, session: Any, job: Job, *, attempt: int | None, node: int) -> Path:
+def _run(session: Any, job: Job, *, attempt: int | None) -> Attempt:
     number = job.current_attempt if attempt is None else attempt
     run = session.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == number)).one_or_none()
     if run is None:
         raise ApiError(404, f"job {job.id} has no attempt {number} yet; no logs to show")
-    return request.app.state.log_locator(run.run_name, node)
+    return run
 
 
 # The log route answers text/plain; its errors are JSON like every other route's.
@@ -257,7 +257,11 @@ def job_logs(
     follow_: Annotated[bool, Query(alias="follow", description="Keep streaming until the job finishes.")] = False,
 ) -> StreamingResponse:
     job = project_job(session, principal, job_id)
-    path = _log_path(request, session, job, attempt=attempt, node=node)
+    run = _run(session, job, attempt=attempt)
+    reader: LogReader | None = request.app.state.log_reader
+    if reader is not None:
+        return _from_backend(reader, run, node=node, tail=tail, follow=follow_, max_bytes=settings.log_max_bytes)
+    path = request.app.state.log_locator(run.run_name, node)
     head, offset = (b"", 0)
     if path.exists():
         head, offset = tail_bytes(path, lines=tail, max_bytes=settings.log_max_bytes)
@@ -278,6 +282,35 @@ def job_logs(
             if await request.is_disconnected():
                 return
             yield chunk
+
+    return StreamingResponse(stream(), media_type="text/plain; charset=utf-8")
+
+
+def _from_backend(reader: LogReader, run: Attempt, *, node: int, tail: int | None, follow: bool,
+                  max_bytes: int) -> StreamingResponse:
+    """The log as the run's backend serves it (`Backend.logs()` behind the reader). Runs in the
+    threadpool: the backends' clients block."""
+    lines = reader(run.backend, run.run_name, node=node, tail=tail, follow=follow)
+    try:
+        first = next(lines, "")  # the run's "no such log" surfaces here, while a 404 can still be sent
+    except LogUnavailable as e:
+        raise ApiError(404, str(e)) from None
+    if not follow:
+        body, size = [first], len(first)
+        for line in lines:
+            body.append(line)
+            size += len(line)
+            while size > max_bytes and len(body) > 1:  # keep the newest lines within the limit
+                size -= len(body.pop(0))
+        return PlainTextResponse("".join(body)[-max_bytes:])
+
+    def stream() -> Iterator[bytes]:
+        yield first.encode()
+        try:
+            for line in lines:
+                yield line.encode()
+        except LogUnavailable as e:  # the run went away mid-stream: say so as the last line
+            yield f"(log ended: {e})\n".encode()
 
     return StreamingResponse(stream(), media_type="text/plain; charset=utf-8")
 

@@ -66,6 +66,10 @@ class JobSummary(_Out):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    step: int | None
+    """Optimizer steps completed, from the newest heartbeat (null: none yet)."""
+    max_steps: int | None
+    """The job's step budget (`spec.maxSteps`), when set: with `step`, the progress."""
 
     @classmethod
     def of(cls, job: Job) -> JobSummary:
@@ -77,7 +81,8 @@ def _summary_fields(job: Job) -> dict[str, Any]:
                 priority=job.priority, phase=job.phase, message=job.message or "",
                 desired_state=job.desired_state, attempt=job.current_attempt, world_size=job.world_size,
                 labels={label.key: label.value for label in job.labels}, created_at=job.created_at,
-                updated_at=job.updated_at, finished_at=job.finished_at)
+                updated_at=job.updated_at, finished_at=job.finished_at,
+                step=(job.last_heartbeat or {}).get("step"), max_steps=(job.spec or {}).get("spec", {}).get("maxSteps"))
 
 
 class JobDetail(JobSummary):

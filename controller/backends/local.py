@@ -264,8 +264,9 @@ class LocalBackend:
                 self._reap(pid, wait_s=2.0)  # the wrapper exits right after writing the file
                 codes[node], failed_at[node] = recorded
             elif not _alive(pid):
-                codes[node] = _SIGKILLED  # the wrapper itself was killed before it could record
-                failed_at[node] = 0.0
+                # Read again: the wrapper may have recorded and exited between the read and the check.
+                # Without a record it was killed itself before it could write one.
+                codes[node], failed_at[node] = _read_exit(self._exit_file(state, node)) or (_SIGKILLED, 0.0)
         bad = {n: c for n, c in codes.items() if c != 0}
         remaining = state["nodes"] - len(bad)  # nodes still running or finished cleanly
         if bad:
@@ -326,7 +327,7 @@ class LocalBackend:
         if hasattr(entry, "script"):
             script = resolve_inside(code, entry.script, field="spec.entrypoint.script")
             update["entrypoint"] = entry.model_copy(update={"script": str(script)})
-        if ws.checkpoint.dir:
+        if ws.checkpoint is not None:
             ckpt = resolve_inside(area.checkpoints, ws.checkpoint.dir, field="spec.checkpoint.dir")
             update["checkpoint"] = ws.checkpoint.model_copy(update={"dir": str(ckpt)})
             source = sub.spec.spec.checkpoint.resume_from if sub.spec.spec.checkpoint else None

@@ -87,6 +87,7 @@ CASES: list[tuple[str, str, str]] = [
     ("controller-schema-only", "engine/brand_new.py", '"""A module added after the contract was written."""'),
     ("schema-leaves", "worker/spec.py", "import sqlalchemy"),
     ("schema-leaves", "engine/config_noops.py", "import fastapi"),
+    ("schema-leaves", "engine/config_compression.py", "import torch"),
     ("triton-only-in-kernels-triton", "engine/optim.py", "import triton"),
     ("triton-only-in-kernels-triton", "kernels/rope.py", "from deepfleet.kernels._triton import rope"),
     ("controller-layers", "controller/spec.py", "import deepfleet.controller.db.models"),
@@ -96,6 +97,7 @@ CASES: list[tuple[str, str, str]] = [
 ]
 # Files a case needs besides its own (case index -> (file, line)).
 COMPANIONS = {7: ("controller/compile.py", "import deepfleet.engine.brand_new")}
+assert CASES[7][1] == "engine/brand_new.py"
 
 
 def test_every_contract_has_a_violation_case() -> None:

@@ -46,7 +46,7 @@ def main() -> int:
         "read": {path: _try(lambda path=path: _read(path)) for path in args.read},
         "write": {path: _try(lambda path=path: Path(path).write_text("x")) for path in args.write},
         "environ": {pid: _try(lambda pid=pid: Path(f"/proc/{pid}/environ").read_bytes()) for pid in args.environ},
-        "checkpoint_dir": spec.checkpoint.dir,
+        "checkpoint_dir": spec.checkpoint.dir if spec.checkpoint else None,
     }
     Path(f"probe-{os.environ.get('DEEPFLEET_NODE_RANK', '0')}.json").write_text(json.dumps(report))
     print("probe done", flush=True)

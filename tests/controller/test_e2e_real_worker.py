@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def gpt_job(ckpt: str, *, steps: int, name: str) -> str:
     doc = json.loads(load_job_document(ROOT / "examples" / "gpt" / "job.yaml"))
     doc["metadata"].update(name=name, project="test")
-    doc["spec"]["entrypoint"]["args"] = [f"max_steps={steps}", "num_samples=4096"]
+    doc["spec"]["entrypoint"]["args"] = {"num_samples": 4096}
+    doc["spec"]["maxSteps"] = steps
     doc["spec"]["checkpoint"] = {"dir": ckpt, "everySteps": 10, "keepLast": 2}
     doc["spec"]["restartPolicy"] = {"maxRestarts": 2, "backoffSeconds": 1}
     return json.dumps(doc)

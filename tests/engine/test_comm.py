@@ -159,3 +159,9 @@ def test_log_name_files_the_op_under_it():
         assert "all_reduce" not in snapshot
     finally:
         dist.destroy_process_group()
+
+
+def test_deepspeed_scripts_reach_comm_as_an_attribute():
+    import deepfleet.engine as deepspeed
+
+    assert deepspeed.comm is comm

@@ -36,7 +36,7 @@ def member(app) -> dict[str, str]:
 
 def test_a_factory_cannot_name_the_interpreter_or_deepfleet(client, member) -> None:
     for factory in ("os:system", "subprocess:run", "builtins:exec", "deepfleet.controller.server:main"):
-        errors = refused(client, member, job_yaml(**{SCRIPT: f"entrypoint: {{factory: \"{factory}\"}}"}))
+        errors = refused(client, member, job_yaml(**{SCRIPT: f"entrypoint: {{factory: \"{factory}\"}}\n  maxSteps: 5"}))
         assert len(errors) == 1 and errors[0].startswith("spec.entrypoint.factory: ") and "not the job's own" \
             in errors[0], errors
 
