@@ -5,8 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU install path pins torch exactly: a range lets pip pull a multi-GB CUDA build.
+# The CPU install path pins torch exactly: a range lets pip pull a multi-GB CUDA build. Where the
+# package index serves the CUDA build for that pin (PyPI does on Linux), take the CPU wheel from
+# PyTorch's index: make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_PIN := torch==2.13.0
+TORCH_INDEX ?=
+# Progress is shown (pip's bar and one line per package): a first install takes minutes.
+PIP_FLAGS ?= --progress-bar on
 EXTRAS := engine,kernels,controller,kubernetes,azure,dev
 PYTEST_ARGS ?=
 
@@ -16,16 +21,22 @@ export OMP_NUM_THREADS ?= 1
 .PHONY: install demo test test-fast test-all lint bench images clean
 
 $(VENV)/.installed: pyproject.toml
+	@echo "==> [1/3] creating $(VENV) and updating pip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip "setuptools>=75" wheel
-	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q $(TORCH_PIN) -e ".[$(EXTRAS)]"
+	$(PIP) install $(PIP_FLAGS) --upgrade pip "setuptools>=75" wheel
+	@echo "==> [2/3] installing $(TORCH_PIN) (the largest download)"
+	$(PIP) install $(PIP_FLAGS) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PIN)
+	@echo "==> [3/3] installing deepfleet with extras $(EXTRAS)"
+	$(PIP) install $(PIP_FLAGS) $(TORCH_PIN) -e ".[$(EXTRAS)]"
+	@echo "==> installed into $(VENV)"
 	touch $@
 
 install: $(VENV)/.installed
 
+# Interactive (a terminal): after the job, the controller stays up with its page and a token until
+# Ctrl-C. Not a terminal (CI, pipes), or DEMO_EXIT=1: it ends after the job (exit 0 when SUCCEEDED).
 demo: install
-	$(PY) -m deepfleet.controller.demo
+	$(PY) -m deepfleet.controller.demo $(if $(DEMO_EXIT),--exit)
 
 test: install
 	bash .ci/test.sh $(PYTEST_ARGS)
@@ -33,9 +44,16 @@ test: install
 test-fast: install
 	bash .ci/test.sh -m "not slow" $(PYTEST_ARGS)
 
+# import-linter sees the mapped `deepfleet.*` packages only as a real tree on disk (the editable
+# install maps them virtually), so lint a fresh non-editable install of the checkout. It runs from
+# the repo root, where pyproject's own contract type lives (tests/arch/contract_types.py).
+LINT_SITE := build/lint-site
+
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/lint-imports
+	rm -rf $(LINT_SITE)
+	$(PIP) install -q --no-deps --no-build-isolation --target $(LINT_SITE) .
+	PYTHONPATH=$(abspath $(LINT_SITE)) $(abspath $(VENV))/bin/lint-imports --no-cache pyproject.toml
 
 bench: install
 	$(PY) benchmarks/run_all.py

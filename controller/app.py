@@ -7,10 +7,12 @@ bootstrap admin token. Errors are answered as `{"detail": ..., "errors": ["<fiel
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -20,9 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepfleet.controller.api import health, jobs, queues, tokens, workers
 from deepfleet.controller.api.deps import ApiError
-from deepfleet.controller.api.logs import LogLocator, file_log_locator
+from deepfleet.controller.api.load import RequestGate, install_outage_handler
+from deepfleet.controller.api.logs import LogLocator, LogReader, file_log_locator
 from deepfleet.controller.db.auth import ensure_bootstrap_token
 from deepfleet.controller.db.session import make_engine, make_session_factory
+from deepfleet.controller.policy import Policies
 from deepfleet.controller.settings import Settings
 from deepfleet.controller.spec import JobSpec
 
@@ -71,16 +75,25 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return doc
 
 
-def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log_poll_s: float = 0.5) -> FastAPI:
+def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_locator: LogLocator | None = None,
+               log_poll_s: float = 0.5) -> FastAPI:
     """The controller API bound to `settings` (database, limits, tokens).
 
-    `log_locator` maps (run name, node) to a log file; default `<logs_dir>/<run name>/node-<i>.log`.
+    `log_reader` serves job logs from the backends (`Backend.logs()`, wired by `controller/server.py`);
+    without one, logs are read from files: `log_locator` maps (run name, node) to a log file, by default
+    `<logs_dir>/<run name>/node-<i>.log`.
     """
-    engine = make_engine(settings.db_url)
+    # One connection per request in flight, plus room for the reconcilers and the metrics collector.
+    engine = make_engine(settings.db_url, pool_size=settings.max_inflight_requests, max_overflow=16)
     sessions = make_session_factory(engine)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(served: FastAPI) -> AsyncIterator[None]:
+        # Threads for every admitted request plus the streaming/log helpers: the pool never starves them.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.max_inflight_requests + 8
+        # Parsing a job is pure CPU under the GIL: more parsers than cores only starve the event loop
+        # (and /healthz with it), so they queue here instead.
+        served.state.parse_limiter = anyio.CapacityLimiter(os.cpu_count() or 2)
         if settings.migrate_on_start:
             from deepfleet.controller.db.migrate import upgrade_head
 
@@ -107,14 +120,19 @@ def create_app(settings: Settings, *, log_locator: LogLocator | None = None, log
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.log_reader = log_reader
     app.state.log_locator = log_locator or file_log_locator(settings.logs_root)
     app.state.log_poll_s = log_poll_s
     app.state.metrics = health.ApiMetrics(sessions)
+    app.state.policies = Policies.load(settings.policy_file)
     _install_error_handlers(app)
+    install_outage_handler(app)
     for module in (jobs, workers, queues, tokens, health):
         app.include_router(module.router)
     # Order: the body limit runs first (outermost), so oversized requests are timed as 413s too.
     app.add_middleware(health.TimingMiddleware, metrics=app.state.metrics)
     app.add_middleware(health.BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    # Outermost: a request waits for a slot before it is read or timed.
+    app.add_middleware(RequestGate, limit=settings.max_inflight_requests, queue_timeout_s=settings.queue_timeout_s)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -70,8 +70,16 @@ def validate(
 
 
 @app.command()
-def schema() -> None:
+def schema(
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the reference page (docs/jobspec.md) instead.")]
+    = False,
+) -> None:
     """Print the JSON schema of a job document (apiVersion deepfleet/v1, kind TrainingJob)."""
+    if markdown:
+        from deepfleet.controller.spec_reference import render_reference
+
+        typer.echo(render_reference(), nl=False)
+        return
     from deepfleet.controller.spec import JobSpec
 
     typer.echo(json.dumps(JobSpec.model_json_schema(), indent=2))

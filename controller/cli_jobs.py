@@ -104,8 +104,14 @@ def load_job_document(path: Path) -> str:
     if isinstance(engine, str):
         engine_path = Path(engine).expanduser()
         engine_path = engine_path if engine_path.is_absolute() else path.parent / engine_path
-        body = engine_path.read_text()
-        doc["spec"]["engine"] = json.loads(body) if engine_path.suffix == ".json" else yaml.safe_load(body)
+        # The engine's own reader (the one the server and the worker use): `5e8` is the same number here.
+        from deepfleet.engine.config_source import read_source
+
+        errors: list[str] = []
+        body = read_source(engine_path, errors)
+        if body is None:
+            _fail(f"{path}: invalid engine config", [f"spec.engine.{line}" for line in errors])
+        doc["spec"]["engine"] = body
     return json.dumps(doc)
 
 
@@ -265,11 +271,15 @@ def follow_job(client: Any, job_id: str, *, poll_s: float = 1.0, tail: int = 20)
 
 
 def _max_steps(client: Any, job_id: str) -> int | None:
-    """The step count from the entrypoint args (`--steps N`, `--max-steps N` or `max_steps=N`), if given."""
-    args = _call(client.get, job_id)["spec"]["spec"]["entrypoint"].get("args", [])
+    """The job's step budget (`spec.maxSteps`), else a script's `--steps N` / `--max-steps N`, if given."""
+    spec = _call(client.get, job_id)["spec"]["spec"]
+    if spec.get("maxSteps"):
+        return int(spec["maxSteps"])
+    args = spec["entrypoint"].get("args", [])
+    args = args if isinstance(args, list) else []
     for i, arg in enumerate(args):
         if arg in ("--steps", "--max-steps", "--max_steps") and i + 1 < len(args) and args[i + 1].isdigit():
             return int(args[i + 1])
-        if arg.startswith(("max_steps=", "--steps=", "--max-steps=")) and arg.split("=", 1)[1].isdigit():
+        if arg.startswith(("--steps=", "--max-steps=")) and arg.split("=", 1)[1].isdigit():
             return int(arg.split("=", 1)[1])
     return None

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import yaml
-
 from deepfleet.controller.backends.base import Submission, run_name
-from deepfleet.controller.spec import FactoryEntrypoint, JobSpec, node_bounds
+from deepfleet.controller.spec import JobSpec, node_bounds
 from deepfleet.controller.tokens import job_token
 from deepfleet.worker.spec import (
     ATTEMPT_ENV,
@@ -23,6 +21,7 @@ from deepfleet.worker.spec import (
     JOB_ID_ENV,
     SPEC_ENV,
     TOKEN_ENV,
+    Nodes,
     WorkerSpec,
 )
 
@@ -30,50 +29,25 @@ HEARTBEAT_PATH = "/v1/jobs/{job_id}/heartbeat"
 FAILURE_PATH = "/v1/jobs/{job_id}/failure"
 
 
-def _factory_kwargs(entry: FactoryEntrypoint) -> tuple[dict[str, Any], int | None]:
-    """A factory's `args` are `key=value` strings (values read as YAML scalars); `max_steps=N` is the
-    managed loop's step count rather than a factory argument."""
-    kwargs: dict[str, Any] = {}
-    for i, arg in enumerate(entry.args):
-        key, sep, value = arg.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"spec.entrypoint.args[{i}]: {arg!r} is not key=value; write factory args like steps=50")
-        kwargs[key] = yaml.safe_load(value)
-    max_steps = kwargs.pop("max_steps", None)
-    return kwargs, (int(max_steps) if max_steps is not None else None)
-
-
 def worker_spec(spec: JobSpec, *, job_id: str, attempt: int) -> WorkerSpec:
-    """The WorkerSpec of one attempt (no secrets: the token travels in the environment only)."""
+    """The WorkerSpec of one attempt (no secrets: the token travels in the environment only).
+
+    The entrypoint, checkpoint, restart policy and step budget are the JobSpec's own section objects
+    (the same models); what is added here is placement: job id, attempt, platform and node range."""
     s = spec.spec
     low, high = node_bounds(spec)
-    entry: dict[str, Any]
-    max_steps = None
-    if isinstance(s.entrypoint, FactoryEntrypoint):
-        kwargs, max_steps = _factory_kwargs(s.entrypoint)
-        entry = {"factory": s.entrypoint.factory, "kwargs": kwargs}
-    else:
-        entry = {"script": s.entrypoint.script, "args": list(s.entrypoint.args)}
-    checkpoint: dict[str, Any] = {}
-    if s.checkpoint is not None:
-        checkpoint = {
-            "dir": s.checkpoint.dir,
-            "every_steps": s.checkpoint.every_steps or 0,
-            "keep_last": s.checkpoint.keep_last,
-        }
-    return WorkerSpec.model_validate(
-        {
-            "job_id": job_id,
-            "attempt": attempt,
-            "entrypoint": entry,
-            "engine_config": s.engine,
-            "platform": s.backend,
-            "nodes": {"min": low, "max": high},
-            "processes_per_node": s.processes_per_node,
-            "checkpoint": checkpoint,
-            "max_steps": max_steps,
-            "env": dict(s.env),
-        }
+    return WorkerSpec(
+        job_id=job_id,
+        attempt=attempt,
+        entrypoint=s.entrypoint,
+        engine_config=s.engine,
+        platform=s.backend,
+        nodes=Nodes(min=low, max=high),
+        processes_per_node=s.processes_per_node,
+        checkpoint=s.checkpoint,
+        restart=s.restart_policy,
+        max_steps=s.max_steps,
+        env=dict(s.env),
     )
 
 

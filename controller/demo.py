@@ -4,8 +4,10 @@ Run as `python -m deepfleet.controller.demo` (the Makefile's `demo` target). It 
 process (SQLite + the local backend, on a free port of 127.0.0.1, data under `runs/demo-<time>/`),
 submits `examples/gpt/job.yaml` (tiny GPT, 2 worker processes, ZeRO stage 2) through the HTTP API
 exactly as `deepfleet submit --follow` does, shows a progress bar from the job's heartbeats until it
-ends, prints where the checkpoint and the logs are, and stops the controller. Exit status 0 only
-when the job SUCCEEDED.
+ends, and prints where the checkpoint and the logs are. Then, when run from a terminal, it keeps the
+controller up and prints the job's page, a ready API token and the CLI settings, until Ctrl-C; when
+not (CI, a pipe), or with `--exit` / DEEPFLEET_DEMO_EXIT=1, it stops the controller at once, so the
+command always ends. Exit status 0 only when the job SUCCEEDED.
 """
 
 from __future__ import annotations
@@ -76,34 +78,56 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", type=Path, default=JOB, help="job spec to run (default examples/gpt/job.yaml)")
     p.add_argument("--data-dir", type=Path, default=None, help="default runs/demo-<time>/")
+    p.add_argument("--exit", action="store_true",
+                   help="stop the controller when the job ends (default when stdin is not a terminal)")
     args = p.parse_args(argv)
+    stay = not (args.exit or os.environ.get("DEEPFLEET_DEMO_EXIT") or not sys.stdin.isatty())
     data_dir = (args.data_dir or ROOT / "runs" / f"demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     document = json.loads(load_job_document(args.job))
-    checkpoint_dir = data_dir / "checkpoints"
-    if document["spec"].get("checkpoint"):
-        document["spec"]["checkpoint"]["dir"] = str(checkpoint_dir)  # fresh, so the demo trains from step 0
     port = _free_port()
     print(f"starting the controller (SQLite + local backend) at http://127.0.0.1:{port}/ui/ ...", flush=True)
     proc = start_controller(data_dir, port)
+    url = f"http://127.0.0.1:{port}"
     try:
         token = (data_dir / "admin-token").read_text().strip()
-        with Client(f"http://127.0.0.1:{port}", token=token) as client:
+        with Client(url, token=token) as client:
             job = client.submit(json.dumps(document), content_type="application/json")
             print(f"submitted {job['name']} ({job['id']}): {document['spec']['nodes']} nodes x "
                   f"{document['spec'].get('processesPerNode', 1)} process(es)", flush=True)
-            code = follow_job(client, job["id"], poll_s=1.0)
+            code = follow_job(client, job["id"], poll_s=0.5)
             final = client.get(job["id"])
+        _summary(final, document, data_dir)
+        if stay:
+            _serve_until_interrupted(proc, url=url, token=token, job_id=final["id"])
     finally:
         stop_controller(proc)
+    return code
+
+
+def _serve_until_interrupted(proc: subprocess.Popen[bytes], *, url: str, token: str, job_id: str) -> None:
+    print(f"\nthe controller stays up: open {url}/ui/#/jobs/{job_id}\n"
+          f"  token (paste it on the page when asked): {token}\n"
+          f"  CLI: export DEEPFLEET_URL={url} DEEPFLEET_API_TOKEN={token}; deepfleet ls\n"
+          "press Ctrl-C to stop it", flush=True)
+    try:
+        proc.wait()
+        print(f"the controller exited {proc.returncode}", flush=True)
+    except KeyboardInterrupt:
+        print("\nstopping the controller", flush=True)
+
+
+def _summary(final: dict, document: dict, data_dir: Path) -> None:
     attempt = final["attempts"][-1]["run_name"] if final["attempts"] else None
+    # Each job checkpoints inside its own area, so the demo trains from step 0 every time.
+    ckpt = (document["spec"].get("checkpoint") or {}).get("dir", "")
+    checkpoint_dir = data_dir / "jobs" / final["project"] / final["id"] / "checkpoints" / ckpt
     latest = checkpoint_dir / "latest"
     print(f"job {final['name']}: {final['phase']} after {len(final['attempts'])} attempt(s)")
     if latest.exists():
         print(f"checkpoint: {checkpoint_dir / latest.read_text().strip()}")
     if attempt:
         print(f"logs:       {data_dir / 'logs' / attempt}/node-<i>.log")
-    print(f"controller: {data_dir / 'controller.log'} (database {data_dir / 'deepfleet.db'})")
-    return code
+    print(f"controller: {data_dir / 'controller.log'} (database {data_dir / 'deepfleet.db'})", flush=True)
 
 
 if __name__ == "__main__":

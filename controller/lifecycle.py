@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from deepfleet.controller.backends.base import Observation, RunPhase
-from deepfleet.worker.spec import FailureClass
+from deepfleet.worker.spec import FailureClass, RestartPolicy
+
+_DEFAULT_POLICY = RestartPolicy()  # the restart defaults live in RestartPolicy only
 
 
 class Phase(str, enum.Enum):
@@ -111,9 +113,9 @@ class JobState:
     phase: Phase
     attempt: int = 0
     restarts: int = 0  # restarts counted against the budget so far
-    max_restarts: int = 3
-    backoff_seconds: float = 5.0
-    retry_user_errors: bool = False
+    max_restarts: int = _DEFAULT_POLICY.max_restarts
+    backoff_seconds: float = _DEFAULT_POLICY.backoff_seconds
+    retry_user_errors: bool = _DEFAULT_POLICY.retry_on_user_error
     cancel_requested: bool = False
     submitted: bool = False  # a submit intent is recorded for the current attempt
     not_before: datetime | None = None  # RESTARTING: earliest time to submit the next attempt

@@ -38,8 +38,8 @@ from deepfleet.controller.backends.base import Backend, BackendError, Observatio
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
-from deepfleet.controller.spec import JobSpec
-from deepfleet.worker.spec import FailureClass
+from deepfleet.controller.spec import stored_spec
+from deepfleet.worker.spec import FailureClass, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class Reconciler:
                     return
                 job = s.get(Job, job_id)
                 self._transition(s, job, Phase.FAILED, "BackendError", str(e), now)
-            except ValueError as e:  # the stored spec cannot be compiled (e.g. factory args): a user error
+            except ValueError as e:  # the stored spec no longer validates (an older version stored it): a user error
                 s.rollback()
                 job = s.get(Job, job_id)
                 self._transition(s, job, Phase.FAILED, "InvalidSpec", str(e), now)
@@ -224,15 +224,15 @@ class Reconciler:
 
     @staticmethod
     def _state(job: Job, attempt: Attempt | None, *, hang_timeout_s: float | None = None) -> JobState:
-        policy = job.spec.get("spec", {}).get("restartPolicy", {})
+        policy = RestartPolicy.model_validate(job.spec.get("spec", {}).get("restartPolicy", {}))
         counted = sum(n for fc, n in (job.restart_counts or {}).items() if fc != FailureClass.PREEMPTED.value)
         return JobState(
             phase=Phase(job.phase),
             attempt=job.current_attempt,
             restarts=counted,
-            max_restarts=int(policy.get("maxRestarts", 3)),
-            backoff_seconds=float(policy.get("backoffSeconds", 5.0)),
-            retry_user_errors=bool(policy.get("retryOnUserError", False)),
+            max_restarts=policy.max_restarts,
+            backoff_seconds=policy.backoff_seconds,
+            retry_user_errors=policy.retry_on_user_error,
             cancel_requested=job.desired_state == "cancel_requested",
             submitted=attempt is not None,
             not_before=job.not_before,
@@ -275,7 +275,7 @@ class Reconciler:
                          data={"exit_codes": observed.exit_codes} if observed and observed.exit_codes else None)
 
     def _submit(self, s: Session, job: Job, attempt: Attempt | None, action: Action, now: datetime) -> None:
-        spec = JobSpec.model_validate(job.spec)
+        spec = stored_spec(job.spec)
         sub = compile_submission(
             spec, job_id=job.id, attempt=job.current_attempt, controller_url=self.config.controller_url,
             secret=self.config.secret, heartbeat_interval_s=self.config.heartbeat_interval_s,

@@ -2,7 +2,8 @@
 
 Run by `deepfleet server` (which execs `python -m deepfleet.controller.server` so the CLI itself never
 imports the API, the database or a backend), by the demo and by end-to-end tests. This is the
-composition root: settings -> `create_app` -> the web router -> one backend and one `Reconciler`
+composition root: settings -> the backends -> `create_app` (with a log reader over those backends)
+-> the web router -> one backend and one `Reconciler`
 thread per enabled backend (`DEEPFLEET_BACKENDS`: local, kubernetes, azureml), started after the app's
 start-up (migrations, bootstrap token) and stopped before its shutdown -> uvicorn on host:port.
 
@@ -19,7 +20,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -27,9 +28,11 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from deepfleet.controller.api import web
+from deepfleet.controller.api.logs import LogReader, LogUnavailable
 from deepfleet.controller.app import create_app
 from deepfleet.controller.backends.base import Backend, BackendError
 from deepfleet.controller.backends.local import LocalBackend
+from deepfleet.controller.confine import closed_ancestor
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
 from deepfleet.controller.scheduler import UNLIMITED, Limit
 from deepfleet.controller.settings import Settings, SettingsError
@@ -61,7 +64,11 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
     out: list[tuple[Backend, Limit]] = []
     for name in settings.backends:
         if name == "local":
-            local = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command)
+            local = LocalBackend(settings.logs_root, slots=slots, workdir=workdir, worker_command=worker_command,
+                                 jobs_dir=settings.jobs_root, run_as=settings.run_as,
+                                 project_users=settings.project_users,
+                                 env_passthrough=tuple(settings.local_env_passthrough),
+                                 factory_modules=tuple(settings.factory_modules))
             out.append((local, Limit(processes=slots)))
         elif name == "kubernetes":
             from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, connect
@@ -74,20 +81,41 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
     return out
 
 
+def backend_log_reader(by_name: Mapping[str, Backend]) -> LogReader:
+    """The API's log seam over the reconcilers' backend objects: `Backend.logs()` of the run's backend,
+    with `BackendError` turned into the API's `LogUnavailable` (the API never sees a backend type)."""
+
+    def read(backend: str, run_name: str, *, node: int, tail: int | None, follow: bool) -> Iterator[str]:
+        target = by_name.get(backend)
+        if target is None:
+            raise LogUnavailable(f"run {run_name} ran on backend {backend}, which this controller does not serve; "
+                                 f"enable it in DEEPFLEET_BACKENDS to read its logs")
+        try:
+            yield from target.logs(run_name, node=node, tail=tail, follow=follow)
+        except BackendError as e:
+            raise LogUnavailable(str(e)) from e
+
+    return read
+
+
 def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker_command: list[str] | None = None,
           heartbeat_interval_s: float | None = None, reconcile: bool = True) -> FastAPI:
-    """The app with the web page and (if `reconcile`) one reconciler thread per backend, bound to its lifespan."""
-    app = create_app(settings)
-    app.include_router(web.router)  # the page is part of the served controller, not of the bare API app
+    """The app with the web page and (if `reconcile`) one reconciler thread per backend, bound to its lifespan;
+    job logs are then read through those same backend objects."""
     if not reconcile:
+        app = create_app(settings)
+        app.include_router(web.router)  # the page is part of the served controller, not of the bare API app
         return app
+    enabled = backends(settings, slots=slots, workdir=workdir, worker_command=worker_command)
+    app = create_app(settings, log_reader=backend_log_reader({b.name: b for b, _ in enabled}))
+    app.include_router(web.router)
     reconcilers = [
         Reconciler(app.state.sessions, backend=backend, config=ReconcilerConfig(
             replica_id=settings.replica_id, controller_url=settings.controller_url,
             secret=settings.secret.get_secret_value(), backend_name=backend.name, capacity=capacity,
             lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
         ))
-        for backend, capacity in backends(settings, slots=slots, workdir=workdir, worker_command=worker_command)
+        for backend, capacity in enabled
     ]
     inner = app.router.lifespan_context
 
@@ -150,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"deepfleet server: {line}", file=sys.stderr)
         return 2
     import uvicorn
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.data_dir, 0o711)  # others (the jobs' users) may reach their areas, never list it
+    if "local" in settings.backends and (settings.run_as or settings.project_users):
+        closed = closed_ancestor(settings.jobs_root)
+        if closed is not None:
+            print(f"deepfleet server: DEEPFLEET_JOBS_DIR: {settings.jobs_root} lies under {closed}, which the jobs' "
+                  "user cannot enter; set DEEPFLEET_JOBS_DIR to a directory such as /var/lib/deepfleet/jobs",
+                  file=sys.stderr)
+            return 2
 
     command = args.worker_command.split() if args.worker_command else None
     try:

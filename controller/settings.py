@@ -22,6 +22,8 @@ ENV_PREFIX = "DEEPFLEET_"
 ENV_ALIASES = {"DB_URL": "database_url", "BACKEND": "backends", "RECONCILE_INTERVAL": "reconcile_interval_s",
                "PUBLIC_URL": "controller_url"}
 
+_LISTS = {"backends", "local_env_passthrough", "factory_modules", "local_project_users"}  # comma-separated in the environment
+
 
 def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
     """`$XDG_DATA_HOME/deepfleet` or `~/.local/share/deepfleet` (the embedded default's home)."""
@@ -73,8 +75,30 @@ class Settings(BaseModel):
     """Name this replica claims jobs under."""
     migrate_on_start: bool = True
     """Run `alembic upgrade head` when the server starts (the Helm chart runs it as a hook instead)."""
+    max_inflight_requests: int = Field(32, ge=1, le=1024)
+    """API requests handled at once; the thread pool and the database pool are sized from it, and
+    requests past it wait up to `queue_timeout_s`, then get 429 with Retry-After."""
+    queue_timeout_s: float = Field(10.0, gt=0, le=300)
+    """How long a request waits for a free slot before the 429."""
     log_max_bytes: int = Field(16 * 1_048_576, ge=1)
     """Largest log tail the API returns in one response."""
+    jobs_dir: Path | None = None
+    """Local backend: root of the job areas `<jobs_dir>/<project>/<job id>/`; None: <data_dir>/jobs."""
+    local_user: str | None = "nobody"
+    """Local backend, when the controller runs as root: the unprivileged user jobs run as (env
+    DEEPFLEET_LOCAL_USER; empty keeps root, which lets any job act as the controller)."""
+    local_project_users: list[str] = []
+    """Local backend, when root: `project=user` pairs (comma-separated; a user name or a bare uid) so each
+    project's jobs run as their own user and cannot see another project's processes or files."""
+    local_env_passthrough: list[str] = ["PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS"]
+    """Local backend: the controller's variables a job's processes also get (comma-separated); nothing
+    else of the controller's environment reaches a job."""
+    policy_file: Path | None = None
+    """YAML table of what each project's jobs may use on clusters (namespaces, service accounts, priority
+    classes, claims, node labels, images; see `controller.policy`); None: the safe defaults for all."""
+    factory_modules: list[str] = []
+    """Module prefixes an `entrypoint.factory` may name besides the job's own code (comma-separated,
+    admin-set); the standard library and deepfleet's own packages are refused otherwise."""
 
     @field_validator("backends")
     @classmethod
@@ -87,6 +111,32 @@ class Settings(BaseModel):
     def db_url(self) -> str:
         """The effective database URL."""
         return self.database_url or f"sqlite:///{self.data_dir / 'deepfleet.db'}"
+
+    @property
+    def jobs_root(self) -> Path:
+        """The effective root of the local backend's job areas."""
+        return self.jobs_dir or self.data_dir / "jobs"
+
+    @property
+    def run_as(self) -> str | None:
+        """The user local jobs run as: `local_user` when the controller is root, else the controller's own."""
+        return self.local_user if self.local_user and os.geteuid() == 0 else None
+
+    @property
+    def project_users(self) -> dict[str, str]:
+        """`local_project_users` as a mapping, when the controller is root (else none apply)."""
+        if os.geteuid() != 0:
+            return {}
+        return dict(pair.split("=", 1) for pair in self.local_project_users)
+
+    @field_validator("local_project_users")
+    @classmethod
+    def _pairs(cls, pairs: list[str]) -> list[str]:
+        for pair in pairs:
+            project, sep, user = pair.partition("=")
+            if not sep or not project or not user:
+                raise ValueError(f"{pair!r} is not project=user; write pairs like alpha=df-alpha,beta=60002")
+        return pairs
 
     @property
     def logs_root(self) -> Path:
@@ -104,10 +154,12 @@ class Settings(BaseModel):
         for name in cls.model_fields:
             key = ENV_PREFIX + name.upper()
             if key in env and env[key] != "":
-                values[name] = env[key].split(",") if name == "backends" else env[key]
+                values[name] = env[key].split(",") if name in _LISTS else env[key]
+            elif key in env and name == "local_user":
+                values[name] = None  # DEEPFLEET_LOCAL_USER= (empty): run jobs as the controller's user
         for alias, name in ENV_ALIASES.items():
             if name not in values and env.get(ENV_PREFIX + alias):
-                values[name] = env[ENV_PREFIX + alias].split(",") if name == "backends" else env[ENV_PREFIX + alias]
+                values[name] = env[ENV_PREFIX + alias].split(",") if name in _LISTS else env[ENV_PREFIX + alias]
         if "database_url" not in values and env.get("DATABASE_URL"):
             values["database_url"] = env["DATABASE_URL"]
         if "data_dir" not in values:

@@ -19,8 +19,6 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -29,13 +27,28 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
+
+from deepfleet.controller.bounds import DocumentTooLarge, check_yaml_node
+from deepfleet.worker.spec import (
+    MAX_NODES,
+    MAX_STEPS,
+    MISSING_STEPS,
+    Checkpoint,
+    Entrypoint,
+    FactoryEntrypoint,
+    Nodes,
+    RestartPolicy,
+    Section,
+    Text,
+)
 
 API_VERSION = "deepfleet/v1"
 KIND = "TrainingJob"
 
 # Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
 MAX_NAME_LEN = 40
+# Every number has a range (the database columns are 32-bit; no real job is near these): MAX_NODES and
+# MAX_STEPS live with the shared sections in worker/spec.py.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Kubernetes-style label keys: an optional DNS prefix and "/", then a name of up to 63 chars.
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -51,20 +64,6 @@ Backend = Literal["local", "kubernetes", "azureml"]
 Priority = Literal["low", "normal", "high"]
 
 
-def _scalar_to_str(value: Any) -> Any:
-    # YAML reads `50`, `1.5` or `true` as numbers and booleans where the job means text
-    # (`args: ["--steps", 50]`, `labels: {version: 2}`); take them as the text the user wrote.
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, int | float):
-        return str(value)
-    return value
-
-
-Text = Annotated[str, BeforeValidator(_scalar_to_str)]
-"""A string field that also accepts a YAML number or boolean, as its text."""
-
-
 class SpecError(ValueError):
     """A job spec the user must fix; `.errors` holds one "<path>: <problem>; <fix>" line each."""
 
@@ -73,16 +72,9 @@ class SpecError(ValueError):
         self.errors = errors
 
 
-class _Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, YAML uses camelCase, Python snake_case."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        populate_by_name=True,
-        alias_generator=to_camel,
-        frozen=True,
-        use_attribute_docstrings=True,  # the field docstrings become the JSON schema's descriptions
-    )
+_Section = Section
+"""Base of every spec section (the worker's: unknown keys are errors, YAML camelCase, Python snake_case,
+field docstrings as the schema's descriptions)."""
 
 
 class Metadata(_Section):
@@ -104,25 +96,12 @@ class Metadata(_Section):
         return labels
 
 
-class ElasticNodes(_Section):
-    min: Annotated[int, Field(ge=1)]
-    """Fewest nodes the job may run on (it shrinks and reshards down to this)."""
-    max: Annotated[int, Field(ge=1)]
-    """Most nodes the job asks for."""
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ElasticNodes:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is greater than max ({self.max}); set min <= max")
-        return self
-
-
 class Resources(_Section):
     cpu: Annotated[str | None, Field(pattern=QUANTITY)] = None
     """CPU per node as a Kubernetes quantity ("2", "500m")."""
     memory: Annotated[str | None, Field(pattern=QUANTITY)] = None
     """Memory per node as a Kubernetes quantity ("8Gi")."""
-    gpu: Annotated[int, Field(ge=0)] = 0
+    gpu: Annotated[int, Field(ge=0, le=64)] = 0
     """GPUs per node."""
     gpu_type: str | None = None
     """Accelerator type (a node label value on Kubernetes, a VM size hint on Azure ML)."""
@@ -136,42 +115,8 @@ class Resources(_Section):
         return value
 
 
-class ScriptEntrypoint(_Section):
-    script: Annotated[str, Field(min_length=1)]
-    """Path of a Python training script, run under torchrun in every process."""
-    args: list[Text] = []
-    """Command-line arguments passed to the script."""
-
-
-class FactoryEntrypoint(_Section):
-    factory: Annotated[str, Field(pattern=FACTORY_REF)]
-    """"package.module:callable" returning the model, data and config for the managed training loop."""
-    args: list[Text] = []
-    """Arguments passed to the factory."""
-
-
-def _entrypoint_kind(value: Any) -> str | None:
-    if isinstance(value, dict):
-        if "script" in value:
-            return "script"
-        if "factory" in value:
-            return "factory"
-        return None
-    return "script" if isinstance(value, ScriptEntrypoint) else "factory" if isinstance(value, FactoryEntrypoint) else None
-
-
-Entrypoint = Annotated[
-    Annotated[ScriptEntrypoint, Tag("script")] | Annotated[FactoryEntrypoint, Tag("factory")],
-    Discriminator(
-        _entrypoint_kind,
-        custom_error_type="entrypoint_kind",
-        custom_error_message="give either {script: path, args: [...]} or {factory: 'pkg.mod:callable', args: [...]}",
-    ),
-]
-
-
 def _nodes_kind(value: Any) -> str:
-    return "elastic" if isinstance(value, dict | ElasticNodes) else "fixed"
+    return "elastic" if isinstance(value, dict | Nodes) else "fixed"
 
 
 def _engine_kind(value: Any) -> str | None:
@@ -180,45 +125,39 @@ def _engine_kind(value: Any) -> str | None:
     return "path" if isinstance(value, str) else "inline" if isinstance(value, dict) else None
 
 
-class Checkpoint(_Section):
-    dir: Annotated[str, Field(min_length=1)]
-    """Checkpoint directory (a shared path or mounted volume); the job resumes from its `latest` tag."""
-    every_steps: Annotated[int | None, Field(ge=1)] = None
-    """Save every N optimizer steps; null saves only on preemption and at the end."""
-    keep_last: Annotated[int | None, Field(ge=1)] = None
-    """Keep only the newest N complete checkpoints; null keeps all."""
-
-
-class RestartPolicy(_Section):
-    max_restarts: Annotated[int, Field(ge=0)] = 3
-    """Restarts allowed for retryable failures (preemptions do not count against it)."""
-    backoff_seconds: Annotated[float, Field(ge=0)] = 5.0
-    """Wait before a new attempt; doubles on each consecutive failure."""
-    retry_on_user_error: bool = False
-    """Also retry when the training code raised (worker exit 65); off by default, as a bug repeats."""
-
-
 class Toleration(_Section):
+    """A Kubernetes toleration, as in a pod spec, so the job's pods may run on tainted (e.g. GPU) nodes."""
+
     key: str | None = None
+    """Taint key to tolerate; null with operator Exists tolerates every taint."""
     operator: Literal["Exists", "Equal"] | None = None
+    """Exists: any value of `key`; Equal (Kubernetes' default): only `value`."""
     value: str | None = None
+    """Taint value to match with operator Equal."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    """Taint effect to tolerate; null: every effect."""
+    toleration_seconds: Annotated[int | None, Field(ge=0, le=2**31 - 1)] = None
+    """NoExecute only: how long the pod stays bound after the taint appears; null: forever."""
 
 
 class KubernetesOptions(_Section):
     namespace: Annotated[str | None, Field(max_length=63, pattern=DNS_LABEL)] = None
     """Namespace for the job's pods and service; null uses the controller's namespace."""
     node_selector: dict[str, Text] = {}
+    """Node labels the job's pods must run on (a pod's nodeSelector)."""
     tolerations: list[Toleration] = []
+    """Taints the job's pods tolerate."""
     priority_class_name: str | None = None
+    """Kubernetes PriorityClass of the job's pods (preemption order on the cluster)."""
     service_account_name: str | None = None
+    """ServiceAccount the pods run as; null: the namespace's default."""
     image_pull_secrets: list[str] = []
+    """Names of Secrets used to pull `spec.image` from a private registry."""
     shm_size: Annotated[str | None, Field(pattern=QUANTITY)] = None
     """Size of the /dev/shm memory volume (NCCL and dataloader workers need more than the 64Mi default)."""
     kueue_queue: str | None = None
     """Kueue LocalQueue name; when set, admission is left to Kueue."""
-    termination_grace_period_seconds: Annotated[int | None, Field(ge=0)] = None
+    termination_grace_period_seconds: Annotated[int | None, Field(ge=0, le=86_400)] = None
     """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
     checkpoint_claim: Annotated[str | None, Field(max_length=253, pattern=DNS_LABEL)] = None
     """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod, so every attempt
@@ -240,14 +179,16 @@ class TrainingSpec(_Section):
     image: str | None = None
     """Worker container image; required by kubernetes and azureml, ignored by local."""
     nodes: Annotated[
-        Annotated[Annotated[int, Field(ge=1)], Tag("fixed")] | Annotated[ElasticNodes, Tag("elastic")],
+        Annotated[Annotated[int, Field(ge=1, le=MAX_NODES)], Tag("fixed")] | Annotated[Nodes, Tag("elastic")],
         Discriminator(_nodes_kind),
     ] = 1
     """Number of nodes, or {min, max} for an elastic job."""
-    processes_per_node: Annotated[int, Field(ge=1)] = 1
+    processes_per_node: Annotated[int, Field(ge=1, le=1024)] = 1
     """Training processes per node (GPUs per node on real clusters)."""
     resources: Resources = Resources()
+    """What each node asks the cluster for (Kubernetes requests/limits, Azure ML instance type hints)."""
     entrypoint: Entrypoint
+    """What runs: a script ({script, args}) or the managed loop over a factory ({factory, args})."""
     engine: Annotated[
         Annotated[str, Tag("path")] | Annotated[dict[str, Any], Tag("inline")] | Annotated[None, Tag("none")],
         Discriminator(
@@ -258,7 +199,11 @@ class TrainingSpec(_Section):
     ] = None
     """Engine config: a path to a DeepSpeed-style JSON/YAML file or the config inline; null uses defaults."""
     checkpoint: Checkpoint | None = None
+    """Where training checkpoints and resumes from; null: no checkpoints (a restart starts over)."""
     restart_policy: RestartPolicy = RestartPolicy()
+    max_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
+    """Optimizer steps to train: required for a factory entrypoint (the managed loop's length); a script
+    receives it as DEEPFLEET_MAX_STEPS (and `deepfleet.engine.initialize` as its budget)."""
     priority: Priority = "normal"
     """Admission order inside a queue."""
     queue: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)] = "default"
@@ -266,7 +211,9 @@ class TrainingSpec(_Section):
     env: dict[str, Text] = {}
     """Extra environment variables for every worker process."""
     kubernetes: KubernetesOptions | None = None
+    """Options for backend kubernetes only."""
     azureml: AzureMLOptions | None = None
+    """Options for backend azureml only (required there: the compute cluster)."""
 
     @field_validator("env")
     @classmethod
@@ -293,6 +240,8 @@ class TrainingSpec(_Section):
             if self.checkpoint is None or not self.checkpoint.dir.startswith("/"):
                 problems.append("kubernetes.checkpointClaim: mounts at checkpoint.dir, which must be an absolute "
                                 "path; set checkpoint: {dir: /checkpoints/<job>} or drop checkpointClaim")
+        if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
+            problems.append(MISSING_STEPS.format(key="maxSteps").replace("set maxSteps", "set spec.maxSteps"))
         if self.backend == "azureml" and self.azureml is None:
             problems.append("azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
         if problems:
@@ -307,9 +256,13 @@ class JobSpec(_Section):
     model_config = ConfigDict(title="TrainingJob")
 
     api_version: Literal["deepfleet/v1"]
+    """Version of this schema."""
     kind: Literal["TrainingJob"]
+    """The document's kind."""
     metadata: Metadata
+    """Who owns the job and what it is called."""
     spec: TrainingSpec
+    """What to run, where, and how to recover."""
 
     def to_document(self) -> dict[str, Any]:
         """The spec as the YAML/JSON document a user writes (camelCase keys, unset options omitted)."""
@@ -319,7 +272,7 @@ class JobSpec(_Section):
 def node_bounds(spec: JobSpec) -> tuple[int, int]:
     """(min, max) nodes; equal for a fixed-size job."""
     nodes = spec.spec.nodes
-    return (nodes.min, nodes.max) if isinstance(nodes, ElasticNodes) else (nodes, nodes)
+    return (nodes.min, nodes.max) if isinstance(nodes, Nodes) else (nodes, nodes)
 
 
 def job_world_size(spec: JobSpec) -> int:
@@ -390,12 +343,15 @@ def _errors_from(exc: ValidationError) -> list[str]:
     return seen
 
 
-def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
+def _validate_engine(spec: JobSpec, *, base_dir: Path | None, read_files: bool = True) -> list[str]:
     """Check the engine config at the job's world sizes; errors re-pathed under spec.engine."""
     engine = spec.spec.engine
     if engine is None:
         return []
     source: str | Path | dict[str, Any] = engine
+    if isinstance(engine, str) and not read_files:
+        return ["spec.engine: the server reads no files named in a spec; put the engine config inline "
+                "(`deepfleet submit` inlines the file it names)"]
     if isinstance(engine, str):
         path = Path(engine).expanduser()
         if not path.is_absolute():
@@ -420,8 +376,19 @@ def _validate_engine(spec: JobSpec, *, base_dir: Path | None) -> list[str]:
     return errors
 
 
-def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
-    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError."""
+def stored_spec(document: Any) -> JobSpec:
+    """A JobSpec from a stored document (the database's copy), without re-reading engine files; raises
+    SpecError with one line per field (a document stored by an older version may no longer validate)."""
+    try:
+        return JobSpec.model_validate(document)
+    except ValidationError as e:
+        raise SpecError(_errors_from(e)) from None
+
+
+def validate_job(document: Any, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
+    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError.
+
+    `read_files=False` (the server): an engine config given as a path is refused, never opened."""
     if not isinstance(document, dict):
         raise SpecError([f"(document): expected a mapping with apiVersion, kind, metadata, spec; "
                          f"got {type(document).__name__}"])
@@ -429,13 +396,17 @@ def validate_job(document: Any, *, base_dir: Path | None = None) -> JobSpec:
         spec = JobSpec.model_validate(document)
     except ValidationError as e:
         raise SpecError(_errors_from(e)) from None
-    errors = _validate_engine(spec, base_dir=base_dir)
+    errors = _validate_engine(spec, base_dir=base_dir, read_files=read_files)
     if errors:
         raise SpecError(errors)
     return spec
 
 
-class _StrictLoader(yaml.SafeLoader):
+# libyaml's C scanner when PyYAML was built with it: the pure-Python one costs ~15 ms per job document.
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _StrictLoader(_SafeLoader):  # type: ignore[misc, valid-type]
     """SafeLoader that rejects duplicate keys (PyYAML keeps the last one silently)."""
 
 
@@ -452,18 +423,32 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+# `5e-4` is a number, as in the engine's config reader (YAML 1.1 would read it as a string).
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
-def parse_job_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
+def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
     """Parse a YAML (or JSON) job document; raises SpecError with one line per problem.
 
     A relative `spec.engine` path resolves against `base_dir` (default: the working directory).
     """
+    loader = _StrictLoader(text)
     try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is not None:
+            check_yaml_node(node)  # before any object is built: an alias bomb stops here
+        document = loader.construct_document(node) if node is not None else None
+    except DocumentTooLarge as e:
+        raise SpecError([str(e)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError([f"(document): malformed YAML{where}: {problem}; fix the syntax"]) from None
-    return validate_job(document, base_dir=base_dir)
+    finally:
+        loader.dispose()
+    return validate_job(document, base_dir=base_dir, read_files=read_files)

@@ -9,11 +9,15 @@ _EXPORTS = {
     "DeepFleetEngine": "deepfleet.engine.engine",
     "init_distributed": "deepfleet.engine.dist",
 }
+# Submodules a DeepSpeed script reaches as attributes (`deepspeed.comm.get_rank()`).
+_SUBMODULES = ("comm",)
 
 
 def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'deepfleet.engine' has no attribute {name!r}")
     import importlib
 
+    if name in _SUBMODULES:
+        return importlib.import_module(f"deepfleet.engine.{name}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'deepfleet.engine' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

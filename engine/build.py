@@ -2,7 +2,8 @@
 
 Called by `engine.initialize`. `build_training(...)` takes the user's model (fp32, on its device), the
 resolved config and the user's optional optimizer/scheduler objects or factories, and returns what the
-engine sequences: the precision policy, the ZeRO strategy, the optimizer and the LR scheduler.
+engine sequences: the precision policy, the ZeRO strategy, the optimizer, the LR scheduler and the
+step sinks that receive each optimizer step's `StepMetrics`.
 The stage picks its strategy class from `STRATEGIES`; nothing else here branches on a feature.
 
 `prescale_gradients` and `gradient_predivide_factor` only move where DeepSpeed divides by the world size
@@ -16,13 +17,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from deepfleet.engine import comm
+from deepfleet.engine.metrics import StepSink, sinks_from_env
 from deepfleet.engine.precision import Precision, build_precision
+from deepfleet.engine.progress import ProgressLog
 from deepfleet.engine.zero.base import StrategyFactory, ZeroStrategy
 
 # zero_optimization.stage -> the strategy class ("module:Class"), imported only when used.
@@ -42,6 +46,8 @@ class Training:
     sharding: ZeroStrategy
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any  # a torch LRScheduler, a user scheduler with .step(), or None
+    sinks: list[StepSink] = field(default_factory=list)  # called in order with every step's StepMetrics
+    compression: Any = None  # a CompressionScheduler (stepped with the engine, checkpointed), or None
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -61,10 +67,15 @@ def build_training(
     lr_scheduler: Any = None,
     process_group: Any = None,
 ) -> Training:
-    """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order."""
+    """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order, and
+    compose the step sinks."""
     _check_one_source("optimizer", config.optimizer, optimizer)
     _check_one_source("scheduler", config.scheduler, lr_scheduler)
     _check_offload(model, config.zero_optimization)
+
+    # 0. Compression before everything: it swaps layers and adds score parameters, which the param
+    #    groups (2) must see, and it computes masks from full, unsharded fp32 weights (3 shards them).
+    compression = _compression(model, config, process_group=process_group)
 
     # 1. Precision first: the strategy needs the compute dtype, and must see the fp32 model so its
     #    master weights are exact (it casts the model itself, or casts per forward at stage 3).
@@ -87,8 +98,39 @@ def build_training(
     opt = _optimizer(optimizer, sharding.optimizer_param_groups(groups), config)
     sharding.bind_optimizer(opt)
 
-    # 5. The LR schedule last: it records the optimizer's initial learning rates.
-    return Training(precision, sharding, opt, _lr_scheduler(lr_scheduler, opt, config))
+    # 5. The LR schedule after the optimizer: it records the optimizer's initial learning rates.
+    scheduler = _lr_scheduler(lr_scheduler, opt, config)
+
+    # 6. The step sinks: the progress line first (it is what a user watches), then the sinks the
+    #    environment names (the worker's heartbeat for script jobs), built after the process group
+    #    exists so a factory can ask for its rank.
+    return Training(precision, sharding, opt, scheduler, sinks=step_sinks(config), compression=compression)
+
+
+def step_sinks(config: Any) -> list[StepSink]:
+    """The sinks every engine gets: the progress log line, then those named by DEEPFLEET_STEP_SINKS."""
+    rank = comm.get_rank()
+    progress = ProgressLog(config.steps_per_print, wall_clock_breakdown=config.wall_clock_breakdown, rank=rank)
+    return [progress, *sinks_from_env()]
+
+
+def _compression(model: nn.Module, config: Any, *, process_group: Any) -> Any:
+    """`init_compression` (unless the script already called it) and the schedule, for an enabled
+    `compression_training` section; None otherwise."""
+    section = getattr(config, "compression_training", None)
+    if section is None or not (section.techniques() or section.layer_reduction.enabled):
+        return None
+    from deepfleet.engine.compression.compress import init_compression, is_compressed
+    from deepfleet.engine.compression.scheduler import CompressionScheduler
+
+    if not is_compressed(model):
+        if section.layer_reduction.enabled:
+            raise ValueError(
+                "compression_training.layer_reduction: the student must be initialized from its teacher; call "
+                "init_compression(model, config, teacher_model=teacher) before initialize()"
+            )
+        init_compression(model, section)
+    return CompressionScheduler(model, process_group=process_group)
 
 
 def _check_one_source(key: str, configured: Any, given: Any) -> None:

@@ -14,7 +14,15 @@ validation (types, ranges, cross-field checks) -> translate pydantic's errors to
 
 Siblings: `config_base` (ConfigError, strict number/bool types), `config_source` (reading files
 and strings), `config_keys` (unknown and not-yet-supported keys), `config_optim` (optimizer and
-scheduler sections), `config_zero` (zero_optimization).
+scheduler sections), `config_zero` (zero_optimization, typed per stage, and `ConfigWarning`),
+`config_noops` (accepted keys that change nothing, with the reason; mirrored in docs/engine.md).
+
+Layout decision: the sections stay flat `engine/config*.py` modules rather than a `config/`
+package or files beside each section's owner. Many modules across engine, worker and controller
+import these paths, and the import contracts name them (`engine.config*` is what the controller
+may use and what must stay torch-free); moving them would churn every importer for no behaviour
+change. A new section is a new `config_<name>.py` here (`config_compression` holds
+`compression_training`); the import contracts cover it without edits.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import copy
 import difflib
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +39,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_optim import (
     OPTIMIZER_TYPES,
@@ -39,9 +49,9 @@ from deepfleet.engine.config_optim import (
     SchedulerConfig,
 )
 from deepfleet.engine.config_source import read_source
-from deepfleet.engine.config_zero import ZeroConfig
+from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
-__all__ = ["ConfigError", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
+__all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
 
 AUTO = "auto"
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -110,11 +120,16 @@ class DeepFleetConfig(ConfigSection):
     """Allow a caller-supplied optimizer that is not one of the built-in types with ZeRO stages >= 1."""
     dump_state: Bool = False
     """Print the resolved config at initialization."""
+    compression_training: CompressionConfig | None = None
+    """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
         context = info.context or {}
-        problems = _resolve_batch(self, world_size=context.get("world_size", 1), auto=context.get("auto", set()))
+        problems = _resolve_batch(
+            self, world_size=context.get("world_size", 1), auto=context.get("auto", set()),
+            label=context.get("label", "world size"),
+        )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         if problems:
             raise ValueError("\n".join(problems))
@@ -131,8 +146,9 @@ def _precision_conflicts(*, fp16: Any, bf16: Any) -> list[str]:
     return []
 
 
-def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str]) -> list[str]:
-    """Fill in the batch triple (train_batch_size = micro * gas * world_size) or explain why not.
+def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str], label: str = "world size") -> list[str]:
+    """Fill in the batch triple (train_batch_size = micro * gas * data-parallel size) or explain why not.
+    `world_size` is that data-parallel size; `label` is how messages name it.
 
     `cfg` is the validated model or, before validation, a `_RawBatch` view of the raw dict, so that
     batch errors are reported even when other keys fail validation.
@@ -142,20 +158,20 @@ def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str]) -> list[str]:
     if tbs is not None and micro is not None and gas is not None:
         if tbs != micro * gas * ws:
             return [
-                f"train_batch_size: {tbs} != {micro} (micro) * {gas} (gas) * {ws} (world size) = {micro * gas * ws}; "
+                f"train_batch_size: {tbs} != {micro} (micro) * {gas} (gas) * {ws} ({label}) = {micro * gas * ws}; "
                 "fix one of the three or drop train_batch_size"
             ]
     elif tbs is not None and micro is not None:
         if tbs % (micro * ws):
             return [
-                f"train_batch_size: {tbs} is not divisible by {micro} (micro) * {ws} (world size) = {micro * ws}; "
+                f"train_batch_size: {tbs} is not divisible by {micro} (micro) * {ws} ({label}) = {micro * ws}; "
                 f"use a multiple of {micro * ws} or set gradient_accumulation_steps"
             ]
         gas = tbs // (micro * ws)
     elif tbs is not None and gas is not None:
         if tbs % (gas * ws):
             return [
-                f"train_batch_size: {tbs} is not divisible by {gas} (gas) * {ws} (world size) = {gas * ws}; "
+                f"train_batch_size: {tbs} is not divisible by {gas} (gas) * {ws} ({label}) = {gas * ws}; "
                 f"use a multiple of {gas * ws} or set train_micro_batch_size_per_gpu"
             ]
         micro = tbs // (gas * ws)
@@ -166,7 +182,7 @@ def _resolve_batch(cfg: Any, *, world_size: int, auto: set[str]) -> list[str]:
         gas = 1
         if tbs % ws:
             return [
-                f"train_batch_size: {tbs} is not divisible by the world size {ws}; "
+                f"train_batch_size: {tbs} is not divisible by the {label} {ws}; "
                 f"use a multiple of {ws} or set train_micro_batch_size_per_gpu"
             ]
         micro = tbs // ws
@@ -200,11 +216,11 @@ class _RawBatch:
             setattr(self, key, None if value is None else int(value))
 
 
-def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: list[str]) -> None:
+def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: list[str], label: str) -> None:
     """Cross-key checks on the raw dict, so they are reported even when unrelated keys fail validation."""
     batch = _RawBatch(data)
     if batch.usable:
-        errors.extend(_resolve_batch(batch, world_size=world_size, auto=auto_batch))
+        errors.extend(_resolve_batch(batch, world_size=world_size, auto=auto_batch, label=label))
     fp16, bf16 = data.get("fp16"), data.get("bf16", data.get("bfloat16"))
     if isinstance(fp16, dict) and isinstance(bf16, dict):
         errors.extend(_precision_conflicts(fp16=fp16.get("enabled"), bf16=bf16.get("enabled")))
@@ -217,6 +233,16 @@ def _legacy_forms(data: dict, errors: list[str]) -> None:
     if isinstance(data.get("zero_optimization"), bool):
         errors.append('zero_optimization: the boolean form is not supported; write {"stage": 1} (or 0)')
         del data["zero_optimization"]
+
+
+def _drop_auto_out_of_stage(data: dict) -> None:
+    """HF's "auto" for a knob the configured ZeRO stage does not read means "the default": drop it, so it
+    neither needs the hidden size nor resolves to a value that would be reported as out of stage."""
+    zero = data.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for key in [k for k, v in zero.items() if v == AUTO and is_out_of_stage(k, zero.get("stage", 0))]:
+        del zero[key]
 
 
 def _canonical_type(data: dict, section: str, known: tuple[str, ...], unsupported: tuple[str, ...],
@@ -342,6 +368,7 @@ def load_config(
     source: dict | str | Path | DeepFleetConfig,
     *,
     world_size: int = 1,
+    dp_size: int | None = None,
     hidden_size: int | None = None,
     auto_values: Mapping[str, Any] | None = None,
 ) -> DeepFleetConfig:
@@ -349,17 +376,23 @@ def load_config(
 
     `source`: a dict, a path to a .json/.yaml/.yml file, a JSON object string (or its base64, as
     DeepSpeed accepts), or an already loaded `DeepFleetConfig` (checked again). `world_size`:
-    data-parallel ranks, used to derive the batch triple. `hidden_size`: the model's hidden size,
+    the number of ranks; `dp_size`: the data-parallel ranks among them (default: all of them, which is
+    what they are when every other parallelism degree is 1), used to derive the batch triple
+    (train_batch_size = micro * gas * dp_size). `hidden_size`: the model's hidden size,
     used to resolve HF-style `"auto"` bucket sizes. `auto_values`: values for other `"auto"` keys,
     by dotted key (what a trainer integration knows, e.g. `{"optimizer.params.lr": 3e-5}`); they
     replace only keys whose value is `"auto"` and are validated like the rest.
-    Raises `ConfigError` listing every problem.
+    Raises `ConfigError` listing every problem; warns `ConfigWarning` (one per key) for a ZeRO knob set
+    to a non-default value at a stage that does not read it (see `config_zero`).
     """
     errors: list[str] = []
     if isinstance(source, DeepFleetConfig):  # re-resolve a loaded config, e.g. at another world size
         source = source.to_dict()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError([f"world_size: must be a positive integer, got {world_size!r}; pass world_size >= 1"])
+    if dp_size is not None and (isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1):
+        raise ConfigError([f"dp_size: must be a positive integer, got {dp_size!r}; pass dp_size >= 1"])
+    label, dp = ("world size", world_size) if dp_size is None else ("data-parallel size", dp_size)
     data = read_source(source, errors)
     if data is None:
         raise ConfigError(errors)
@@ -369,10 +402,11 @@ def load_config(
     check_keys(data, DeepFleetConfig, path="", errors=errors)
     fill = {**(_hf_bucket_sizes(hidden_size) if hidden_size else {}), **dict(auto_values or {})}
     auto_batch: set[str] = set()
+    _drop_auto_out_of_stage(data)
     _resolve_auto(data, path="", fill=fill, auto_batch=auto_batch, errors=errors)
-    _raw_checks(data, world_size=world_size, auto_batch=auto_batch, errors=errors)
+    _raw_checks(data, world_size=dp, auto_batch=auto_batch, errors=errors, label=label)
     try:
-        cfg = DeepFleetConfig.model_validate(data, context={"world_size": world_size, "auto": auto_batch})
+        cfg = DeepFleetConfig.model_validate(data, context={"world_size": dp, "auto": auto_batch, "label": label})
     except ValidationError as e:
         for err in e.errors():
             errors.extend(_translate(err))
@@ -380,4 +414,6 @@ def load_config(
     if errors:
         # Deduplicated (the raw checks and the model may say the same thing) and sorted by key.
         raise ConfigError(sorted(dict.fromkeys(errors)))
+    for line in out_of_stage(cfg.zero_optimization):
+        warnings.warn(ConfigWarning(line), stacklevel=2)
     return cfg

@@ -4,8 +4,10 @@ Called by `deepfleet.engine.config.load_config`. Pydantic's `extra="forbid"` alo
 "extra inputs are not permitted" for both a typo and a real DeepSpeed feature this engine lacks;
 users need to know which one it is. This walk names every unknown key by its full dotted path with
 a did-you-mean hint, tells DeepSpeed keys that are not implemented yet apart ("not supported
-yet"), accepts such a key only when its value is DeepSpeed's default (so it changes nothing), and
-removes the offending keys so that the remaining errors are still collected in the same pass.
+yet"), accepts such a key only when its value is DeepSpeed's default (so it changes nothing) or an
+opt-out that asks for what this engine does anyway (`memory_efficient_linear: false`: plain
+`nn.Linear`; `zero_force_ds_cpu_optimizer: false`: any optimizer under offload, ...; the reason sits
+beside each rule), and removes the offending keys so that the remaining errors are still collected in the same pass.
 Torch-free.
 """
 
@@ -38,6 +40,21 @@ def _equals(default: Any) -> Callable[[Any], bool]:
     return lambda value: value == default and isinstance(value, bool) == isinstance(default, bool)
 
 
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    """DeepSpeed's default and the opt-out values that say what this engine does anyway."""
+    checks = [_equals(v) for v in values]
+    return lambda value: any(check(value) for check in checks)
+
+
+def _all_off(defaults: dict[str, tuple]) -> Callable[[Any], bool]:
+    """A section whose every key is known and set to one of its off values."""
+    def check(value: Any) -> bool:
+        return isinstance(value, dict) and all(
+            key in defaults and any(_equals(off)(v) for off in defaults[key]) for key, v in value.items()
+        )
+    return check
+
+
 def _disabled(value: Any) -> bool:
     return isinstance(value, dict) and value.get("enabled", False) is False
 
@@ -47,12 +64,18 @@ def _any(_: Any) -> bool:
 
 
 _SECTION = Unsupported(_never, "drop the section")
+# DeepSpeed's activation-checkpointing options configure its `deepspeed.checkpointing` API; at their
+# defaults (everything off) they change nothing.
+_ACTIVATION_CHECKPOINTING_OFF = {
+    "partition_activations": (False,), "contiguous_memory_optimization": (False,), "cpu_checkpointing": (False,),
+    "number_checkpoints": (None, False), "synchronize_checkpoint_boundary": (False,), "profile": (False,),
+}
 _OFF = Unsupported(_disabled, 'drop the section or set "enabled": false')
 
 # Dotted DeepSpeed keys that this engine does not implement yet.
 NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
-    "activation_checkpointing": _SECTION,
+    "activation_checkpointing": Unsupported(_all_off(_ACTIVATION_CHECKPOINTING_OFF), "drop the section"),
     "flops_profiler": _OFF,
     "tensorboard": _OFF,
     "wandb": _OFF,
@@ -61,7 +84,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "comms_logger": _OFF,
     "pipeline": _SECTION,
     "sparse_attention": _SECTION,
-    "compression_training": _SECTION,
     "data_efficiency": _OFF,
     "curriculum_learning": _OFF,
     "amp": _OFF,
@@ -81,15 +103,15 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "expert_parallel": _SECTION,
     "timers": _SECTION,
     "torch_autocast": _OFF,
-    "communication_data_type": Unsupported(_equals(None)),
+    "communication_data_type": Unsupported(_one_of(None, "fp32")),  # every strategy reduces in fp32
     "seq_parallel_communication_data_type": Unsupported(_equals("fp32")),
     "sequence_parallel_size": Unsupported(_equals(1)),
     "sparse_gradients": Unsupported(_equals(False)),
     "disable_allgather": Unsupported(_equals(False)),
     "memory_breakdown": Unsupported(_equals(False)),
     "graph_harvesting": Unsupported(_equals(False)),
-    "dataloader_drop_last": Unsupported(_equals(False)),
-    "zero_force_ds_cpu_optimizer": Unsupported(_equals(True)),
+    "dataloader_drop_last": Unsupported(_one_of(False, True)),  # our loader drops the last partial batch
+    "zero_force_ds_cpu_optimizer": Unsupported(_one_of(True, False)),  # offload steps any torch optimizer
     "use_data_before_expert_parallelism": Unsupported(_equals(False)),
     # DeepSpeed only logs a warning about this key; it has no effect on training.
     "vocabulary_size": Unsupported(_any),
@@ -111,11 +133,14 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "zero_optimization.cpu_offload_use_pin_memory": Unsupported(
         _equals(False), "use offload_optimizer.pin_memory / offload_param.pin_memory"
     ),
-    "zero_optimization.elastic_checkpoint": Unsupported(_equals(False)),
+    "zero_optimization.elastic_checkpoint": Unsupported(_one_of(False, True)),  # loads at any world size
     "zero_optimization.load_from_fp32_weights": Unsupported(_equals(True)),
     "zero_optimization.ignore_unused_parameters": Unsupported(_equals(True)),
+    "zero_optimization.compute_grad_norm": Unsupported(_equals(True)),  # the global norm is always computed
+    "zero_optimization.parameter_alignment": Unsupported(_equals(False)),
     "zero_optimization.legacy_stage1": Unsupported(_equals(False)),
-    "zero_optimization.use_multi_rank_bucket_allreduce": Unsupported(_equals(True)),
+    # how DeepSpeed reduces buckets when reduce_scatter is off; the averaged gradients are the same either way
+    "zero_optimization.use_multi_rank_bucket_allreduce": Unsupported(_one_of(True, False)),
     "zero_optimization.zero_hpz_partition_size": Unsupported(_equals(1)),
     "zero_optimization.zero_quantized_weights": Unsupported(_equals(False)),
     "zero_optimization.zero_quantized_nontrainable_weights": Unsupported(_equals(False)),
@@ -123,9 +148,9 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "zero_optimization.zeropp_loco_param": Unsupported(_equals(None)),
     "zero_optimization.mics_shard_size": Unsupported(_equals(-1)),
     "zero_optimization.mics_hierarchical_params_gather": Unsupported(_equals(False)),
-    "zero_optimization.memory_efficient_linear": Unsupported(_equals(True)),
+    "zero_optimization.memory_efficient_linear": Unsupported(_one_of(True, False)),  # plain nn.Linear
     "zero_optimization.pipeline_loading_checkpoint": Unsupported(_equals(False)),
-    "zero_optimization.override_module_apply": Unsupported(_equals(True)),
+    "zero_optimization.override_module_apply": Unsupported(_one_of(True, False)),  # Module.apply untouched
     "zero_optimization.log_trace_cache_warnings": Unsupported(_equals(False)),
     "zero_optimization.enable_sanity_checks": Unsupported(_equals(False)),
     "zero_optimization.zenflow": Unsupported(_equals(None)),

@@ -49,7 +49,8 @@ class AdamParams(ConfigSection):
     adam_w_mode: Bool = True
     """Decoupled weight decay (AdamW). DeepSpeed's `Adam` defaults to it; `AdamW` always uses it."""
     torch_adam: Bool = False
-    """Use torch's Adam/AdamW implementation. Numerically the same update; kept for compatibility."""
+    """Use torch's Adam/AdamW classes (their `foreach` path) instead of the fused AdamW kernel; the same
+    update."""
 
 
 class SGDParams(ConfigSection):

@@ -4,8 +4,24 @@ Field names are DeepSpeed's JSON keys (the `stage3_*` knobs keep their prefix; D
 spellings such as `prefetch_bucket_size` are accepted as aliases) and defaults are the values in
 DeepSpeed's `runtime/zero/config.py` and `offload_config.py`. Read by the ZeRO strategies under
 `deepfleet.engine.zero` and by the offload code. Torch-free.
-"""
 
+Typed per stage: `READ_AT_STAGES` names the knobs that only some stages read (DeepSpeed's own split:
+its stage-1/2 optimizer takes `allgather_*`, `reduce_scatter` and `round_robin_gradients`, its
+stage-3 optimizer the `stage3_*` knobs and `sub_group_size`; our own
+`deepfleet_local_grad_accumulation` is stage 2's), and `out_of_stage` reports each one
+set at a stage that does not read it. The rule, and why:
+- at DeepSpeed's default value (or HF's `"auto"`) such a knob is accepted silently: published
+  example configs carry them at every stage (HF's and DeepSpeed's templates, LLaVA's `zero2.json`
+  with `sub_group_size: 1e9`) and the value changes nothing under either engine;
+- at any other value it is accepted with a `ConfigWarning` naming the key, the stages that read it
+  and the fix, rather than refused: DeepSpeed accepts such configs, and widely used generators emit
+  them (DeepSpeed-Chat's `get_train_ds_config` writes `stage3_max_live_parameters: 3e7` and friends
+  at stage 2), so refusing would break configs that run unchanged on DeepSpeed, while staying silent
+  would hide a setting that does nothing. `warnings.simplefilter("error", ConfigWarning)` makes it
+  an error for those who want that.
+`stage3_gather_16bit_weights_on_model_save` is read at every stage: true asks `save_16bit_model` for
+full weights, which stages 0-2 always write (DeepSpeed's meaning too), so it is never out of stage.
+"""
 from __future__ import annotations
 
 import sys
@@ -23,8 +39,8 @@ class OffloadParamConfig(ConfigSection):
 
     device: OffloadDevice = "none"
     """Where parameter shards live: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
-    pin_memory: Bool = False
-    """Page-locked host buffers (faster host<->device copies, uses locked memory)."""
+    pin_memory: Bool = True
+    """Page-locked host buffers (faster host<->device copies, uses locked memory); DeepSpeed's default."""
     nvme_path: str | None = None
     """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
     buffer_count: Int = Field(5, ge=0)
@@ -40,8 +56,8 @@ class OffloadOptimizerConfig(ConfigSection):
 
     device: OffloadDevice = "none"
     """Where optimizer state lives: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
-    pin_memory: Bool = False
-    """Page-locked host buffers (faster host<->device copies, uses locked memory)."""
+    pin_memory: Bool = True
+    """Page-locked host buffers (faster host<->device copies, uses locked memory); DeepSpeed's default."""
     nvme_path: str | None = None
     """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
     buffer_count: Int = Field(4, ge=0)
@@ -54,6 +70,10 @@ class OffloadOptimizerConfig(ConfigSection):
     """Fast optimizer-state initialisation under NVMe offload (only with device `nvme`)."""
     ratio: Float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of the optimizer step run on the CPU (partial offload is not supported yet: only 1.0)."""
+
+
+class ConfigWarning(UserWarning):
+    """A config key that is accepted but changes nothing as configured (one line: key, why, fix)."""
 
 
 def _stage_in_range(stage: int) -> int:
@@ -87,6 +107,12 @@ class ZeroConfig(ConfigSection):
     """Elements gathered per collective call after the optimizer step (stages 1/2)."""
     overlap_comm: Bool | None = None
     """Overlap gradient reduction with the backward pass; unset = true at stage 3, false otherwise."""
+    deepfleet_local_grad_accumulation: Bool = False
+    """deepfleet's own key (not DeepSpeed's). Stage 2 with gradient accumulation: false (DeepSpeed's
+    semantics) reduce-scatters gradients into the partitioned shards on every micro-step, so full
+    gradients never outlive their bucket; true accumulates full gradients locally and communicates only
+    on the boundary micro-step (1/gradient_accumulation_steps of the traffic, but 4 bytes per parameter
+    of full fp32 gradients held through the window). Ignored at other stages."""
     round_robin_gradients: Bool = False
     """Stages 1/2 with CPU offload: spread gradient copies to host over ranks in round-robin order."""
     sub_group_size: Int = Field(1_000_000_000, ge=0)
@@ -159,3 +185,57 @@ class ZeroConfig(ConfigSection):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+# Knobs that only some stages read (see the module docstring); every other key is read at every stage.
+READ_AT_STAGES: dict[str, frozenset[int]] = {
+    "allgather_partitions": frozenset({1, 2}),
+    "allgather_bucket_size": frozenset({1, 2}),
+    "reduce_scatter": frozenset({1, 2}),
+    "round_robin_gradients": frozenset({1, 2}),
+    "deepfleet_local_grad_accumulation": frozenset({2}),
+    "sub_group_size": frozenset({3}),
+    "stage3_prefetch_bucket_size": frozenset({3}),
+    "stage3_param_persistence_threshold": frozenset({3}),
+    "stage3_model_persistence_threshold": frozenset({3}),
+    "stage3_max_live_parameters": frozenset({3}),
+    "stage3_max_reuse_distance": frozenset({3}),
+}
+
+
+def _stages(stages: frozenset[int]) -> str:
+    names = [str(s) for s in sorted(stages)]
+    return f"stage {names[0]} reads" if len(names) == 1 else f"stages {', '.join(names[:-1])} and {names[-1]} read"
+
+
+def out_of_stage(zero: ZeroConfig) -> list[str]:
+    """One line per knob set to a non-default value at a stage that does not read it."""
+    lines = []
+    for key, stages in READ_AT_STAGES.items():
+        if zero.stage in stages or key not in zero.model_fields_set:
+            continue
+        value, default = getattr(zero, key), ZeroConfig.model_fields[key].default
+        if value == default:
+            continue
+        fix = "set zero_optimization.stage to " + " or ".join(str(s) for s in sorted(stages))
+        lines.append(
+            f"zero_optimization.{key}: only {_stages(stages)} it (stage is {zero.stage}), so {value!r} "
+            f"changes nothing; drop it or {fix}"
+        )
+    return lines
+
+
+def is_out_of_stage(key: str, stage: object) -> bool:
+    """Whether `zero_optimization.<key>` (a field name or alias) is not read at `stage` (raw value)."""
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        return False
+    field = ZeroConfig.model_fields.get(key)
+    name = key
+    if field is None:
+        for candidate, info in ZeroConfig.model_fields.items():
+            alias = info.validation_alias
+            if isinstance(alias, AliasChoices) and key in alias.choices:
+                name = candidate
+                break
+    stages = READ_AT_STAGES.get(name)
+    return stages is not None and stage not in stages

@@ -14,18 +14,20 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from deepfleet.engine import comm, job_env
 from deepfleet.engine.build import Training, build_training
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
+from deepfleet.engine.memory import HighWater
+from deepfleet.engine.metrics import StepRecorder, StepSink
+from deepfleet.engine.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -39,27 +41,30 @@ class DeepFleetEngine(nn.Module):
         *,
         config: Any,
         training: Training,
+        parallel: ParallelDims,
         training_dataloader: TrainingDataLoader | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         super().__init__()
         self.module = model  # the user's unwrapped model (its parameters may be sharded at stage 3)
         self.config = config
+        self.parallel = parallel  # degrees, the mesh and the data-parallel group (engine/parallel.py)
         self.sharding = training.sharding
         self.precision = training.precision
         self.optimizer = training.optimizer
         self.lr_scheduler = training.lr_scheduler
+        self.compression = training.compression  # compression schedule (engine/compression/) or None
         self.training_dataloader = training_dataloader
         self.global_steps = 0  # boundary steps taken, skipped (fp16 overflow) ones included
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm: float | None = None
-        self._losses: list[torch.Tensor] = []  # this accumulation window's unscaled micro-batch losses
-        self._clock = clock
-        self._timings: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._last_report = (clock(), 0)  # (time, global_steps) at the last log line
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self.sinks: list[StepSink] = list(training.sinks)  # called with each step's StepMetrics, in order
+        self._recorder = StepRecorder(rank=comm.get_rank(), dp_size=parallel.dp_size, clock=clock)
+        # model-state high-water mark over the current optimizer step, and the last completed step's
+        self.memory = HighWater(self.sharding)
+        self.peak_model_state_bytes = 0
 
     # --- the training protocol ------------------------------------------------------------------
 
@@ -67,26 +72,29 @@ class DeepFleetEngine(nn.Module):
         """Run the model on one micro-batch. Gradient sync is set here, before the forward, because
         DDP decides at forward time whether the coming backward communicates."""
         self.sharding.set_gradient_sync(self.is_gradient_accumulation_boundary())
+        if torch.is_grad_enabled():  # a training micro-batch (evaluation forwards count no tokens)
+            self._recorder.micro_batch(args, kwargs)
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
-        with self._timed("forward"):
-            return self.sharding.module(*args, **kwargs)
+        with self._recorder.timed("forward"):
+            out = self.sharding.module(*args, **kwargs)
+        self.memory.sample("forward")
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss / gradient_accumulation_steps` (unless `scale_wrt_gas` is False),
         multiplied by the loss scale (fp16). Returns `loss` unchanged."""
-        self._losses.append(loss.detach())
+        self._recorder.add_loss(loss)
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
-        with self._timed("backward"):
+        with self._recorder.timed("backward"):
             self.precision.scale_loss(loss / divisor).backward(retain_graph=retain_graph)
+        self.memory.sample("backward")
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """End a micro-step; on the accumulation boundary, take the optimizer step (`lr_kwargs` go to
         the LR scheduler's step)."""
         if self.is_gradient_accumulation_boundary():
-            with self._timed("step"):
-                self._take_model_step(lr_kwargs or {})
-            self._report()
+            self._take_model_step(lr_kwargs or {})
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -94,17 +102,34 @@ class DeepFleetEngine(nn.Module):
         self.sharding.zero_grad()
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
-        overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
-        self._grad_norm = self.sharding.clip_grad_norm_(self.config.gradient_clipping)
-        if self.precision.update(overflow):  # False: fp16 overflow, the step is skipped
-            self.optimizer.step()
-            self.sharding.after_optimizer_step()
-            self._advance_lr(lr_kwargs)
-        else:
-            self.skipped_steps += 1
-        self.sharding.zero_grad()
+        """The optimizer step of one accumulation window, then its StepMetrics to every sink."""
+        with self._recorder.timed("step"):
+            overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
+            self._grad_norm = self.sharding.clip_grad_norm_(self.config.gradient_clipping)
+            stepped = self.precision.update(overflow)  # False: fp16 overflow, the step is skipped
+            if stepped:
+                self.optimizer.step()
+                self.memory.sample("optimizer_step")  # new optimizer state beside the gradients
+                self.sharding.after_optimizer_step()
+                self._advance_lr(lr_kwargs)
+            else:
+                self.skipped_steps += 1
+            self.sharding.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+        if self.compression is not None:  # schedules advance with engine steps, skipped ones included
+            self.compression.step(self.global_steps)
+        self.memory.sample("step")
+        self.peak_model_state_bytes = self.memory.peak_bytes()
+        self.memory.reset()
+        metrics = self._recorder.finish(
+            step=self.global_steps, lr=self.get_lr()[0], lrs=tuple(self.get_lr()), grad_norm=self._grad_norm,
+            loss_scale=self.precision.loss_scale, skipped=not stepped, skipped_steps=self.skipped_steps,
+            samples=self.config.train_batch_size, global_samples=self.global_samples,
+            peak_model_state_bytes=self.peak_model_state_bytes,
+        )
+        for sink in self.sinks:
+            sink(metrics)
 
     def _advance_lr(self, lr_kwargs: dict) -> None:
         if self.lr_scheduler is not None:
@@ -173,41 +198,34 @@ class DeepFleetEngine(nn.Module):
             load_module_only=load_module_only,
         )
 
-    # --- logging ---------------------------------------------------------------------------------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """`zero_optimization.stage3_gather_16bit_weights_on_model_save` (what HF/Accelerate ask)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
-    @contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        start = self._clock()
-        try:
-            yield
-        finally:
-            self._timings[name] += self._clock() - start
+    def save_16bit_model(
+        self, save_dir: str | Path, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the model's weights in the compute dtype as a plain state dict (rank 0); every rank must
+        call it. At stage 3 only with `stage3_gather_16bit_weights_on_model_save`, else returns False."""
+        from deepfleet.engine.checkpoint.model_file import save_16bit_model
 
-    def _report(self) -> None:
-        """Every `steps_per_print` steps, rank 0 logs loss, lr, grad norm, loss scale and throughput."""
-        losses, self._losses = self._losses, []
-        every = self.config.steps_per_print
-        if self._rank != 0 or not every or self.global_steps % every != 0:
-            return
-        now = self._clock()
-        then, steps_then = self._last_report
-        self._last_report = (now, self.global_steps)
-        samples = (self.global_steps - steps_then) * self.config.train_batch_size
-        throughput = samples / (now - then) if now > then else float("nan")
-        loss = float(torch.stack(losses).float().mean()) if losses else float("nan")
-        logger.info(
-            "step %d | loss %.4f | lr %s | grad_norm %.4f | loss_scale %g | skipped %d | %.1f samples/s",
-            self.global_steps, loss, ", ".join(f"{lr:.3e}" for lr in self.get_lr()),
-            self._grad_norm if self._grad_norm is not None else float("nan"),
-            self.precision.loss_scale, self.skipped_steps, throughput,
+        return save_16bit_model(
+            self.module, save_dir, save_filename, dtype=self.precision.compute_dtype,
+            gather_sharded=self.zero_gather_16bit_weights_on_model_save(),
+            exclude_frozen_parameters=exclude_frozen_parameters,
         )
-        if self.config.wall_clock_breakdown:
-            steps = max(self.global_steps - steps_then, 1)
-            logger.info(
-                "time per step (ms) | forward %.1f | backward %.1f | optimizer step %.1f",
-                *(1000 * self._timings[k] / steps for k in ("forward", "backward", "step")),
-            )
-        self._timings = dict.fromkeys(self._timings, 0.0)
+
+    def save_fp16_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Stage 3: the full state dict in the compute dtype on rank 0 (None elsewhere); collective."""
+        from deepfleet.engine.checkpoint.model_file import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(
+            self.module, dtype=self.precision.compute_dtype, exclude_frozen_parameters=exclude_frozen_parameters
+        )
 
 
 def initialize(
@@ -229,8 +247,6 @@ def initialize(
     string in DeepSpeed's format. `optimizer` is a torch optimizer over the model's parameters or a
     factory taking param groups; `lr_scheduler` a scheduler or a factory taking the optimizer.
     Raises ValueError (ConfigError for the config) naming the offending argument or key."""
-    from deepfleet.engine.config import DeepFleetConfig, load_config
-
     if model is None:
         raise ValueError("model: required; pass model=<your torch.nn.Module>")
     if mpu is not None:
@@ -238,27 +254,60 @@ def initialize(
     source = config if config is not None else config_params
     if source is None:
         source = getattr(args, "deepspeed_config", None)
+    if source is None:  # a script run by a deepfleet job: the spec's engine config
+        source = job_env.engine_config()
     if source is None:
         raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
     ensure_process_group()
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    cfg = source if isinstance(source, DeepFleetConfig) else load_config(source, world_size=world_size)
+    world_size, rank = comm.get_world_size(), comm.get_rank()
+    cfg, parallel = _config_and_degrees(source, world_size=world_size)
     if cfg.dump_state and rank == 0:
         logger.info("engine config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
 
-    model.to(training_device())
+    device = training_device()
+    parallel.build_mesh(device.type)
+    model.to(device)
     training = build_training(
-        model, cfg, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+        model,
+        cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        process_group=parallel.dp_group,
     )
     loader = None
     if training_data is not None:
         loader = build_dataloader(
             training_data,
             micro_batch_size=cfg.train_micro_batch_size_per_gpu,
-            num_replicas=world_size,
-            rank=rank,
+            num_replicas=parallel.dp_size,
+            rank=parallel.dp_rank,
             seed=cfg.seed,
             collate_fn=collate_fn,
         )
-    engine = DeepFleetEngine(model, config=cfg, training=training, training_dataloader=loader)
+    engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelDims]:
+    """The resolved config and the parallelism degrees it asks for, over `world_size` ranks.
+
+    The degrees come from config sections, and the batch arithmetic needs the data-parallel size they
+    leave: parse once with every rank data-parallel (exact while no section sets another degree),
+    read the degrees, and re-resolve the batch from the source when data parallelism is narrower."""
+    from deepfleet.engine.config import DeepFleetConfig, load_config
+
+    if isinstance(source, DeepFleetConfig):
+        cfg = source
+    else:
+        cfg = load_config(source, world_size=world_size)
+    try:
+        parallel = ParallelDims.from_config(cfg, world_size=world_size)
+    except ValueError as e:
+        from deepfleet.engine.config import ConfigError
+
+        raise ConfigError([str(e)]) from None
+    if parallel.dp_size != world_size:
+        cfg = load_config(cfg.to_dict() if isinstance(source, DeepFleetConfig) else source,
+                          world_size=world_size, dp_size=parallel.dp_size)
+    return cfg, parallel

@@ -1,7 +1,8 @@
 """Per-rank model-state memory, measured from the tensors a ZeRO strategy really holds.
 
-Callers: the engine's memory report, the planner's checks against its estimates, and the tests that
-show what each ZeRO stage saves. Bytes come from storages, not from shapes: views that share a storage
+Callers: the engine (`HighWater`, sampled through every step; its peak reaches the step's
+`StepMetrics`), `benchmarks/zero_stages.py` and `benchmarks/zero_memory.py`, and the tests that show
+what each ZeRO stage saves. Bytes come from storages, not from shapes: views that share a storage
 (gradients living in DDP buckets, shards narrowed out of a padded buffer) count once, at the full size
 of the storage, so padding and flat buffers are included. A storage that appears in several categories
 is charged to the first of `MODEL_STATE_CATEGORIES` that holds it, so the categories add up to the total.
@@ -55,3 +56,70 @@ def model_state_bytes(tensors: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 def strategy_memory(sharding: ZeroStrategy) -> dict[str, int]:
     """This rank's model-state bytes under `sharding`, by category."""
     return model_state_bytes(sharding.model_state_tensors())
+
+
+def _fsdp_unsharded(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """FSDP2's unsharded parameters and gradients, wherever `fully_shard` was applied under `module`
+    (stage 3): all-gathered parameters while a unit is unsharded, and the unsharded gradients FSDP2
+    accumulates while gradient sync is off. They are model state while they live but no public API
+    lists them, so this reads FSDP2's per-parameter records (`FSDPParam`); a freed storage has 0 bytes
+    and is skipped by `storage_bytes`."""
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    for m in module.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+        for fsdp_param in getattr(group, "fsdp_params", None) or []:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                params.append(unsharded)
+                if unsharded.grad is not None:
+                    grads.append(unsharded.grad)
+            accumulated = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if accumulated is not None:
+                grads.append(accumulated)
+    return params, grads
+
+
+class HighWater:
+    """The high-water mark of this rank's model-state bytes over a step, from real storages.
+
+    The engine calls `sample(point)` after each forward, after each backward (every micro-step) and
+    after the optimizer step; a strategy that builds transient flat buffers inside a call (stages 1/2
+    reduce buckets) samples too, through its `memory_probe` attribute, while those buffers are at their
+    largest, and reports them among its gradients, so a buffer that never outlives a call still
+    counts. Each sample dedupes storages across categories (see `model_state_bytes`) and the largest
+    total is kept, with its breakdown and the point it was taken at. `reset()` starts a new window
+    (the engine does so per optimizer step)."""
+
+    def __init__(self, strategy: ZeroStrategy) -> None:
+        self._strategy = strategy
+        if hasattr(strategy, "memory_probe"):
+            strategy.memory_probe = self.sample
+        self.last: tuple[int, dict[str, int], str | None] = (0, {}, None)
+        self.reset()
+
+    def reset(self) -> None:
+        """Close the window: `last` keeps (peak bytes, its breakdown, its point) of the one closed."""
+        if hasattr(self, "_peak"):
+            self.last = (self._peak, self.peak_report, self.peak_point)
+        self._peak = 0
+        self.peak_report: dict[str, int] = {}
+        self.peak_point: str | None = None
+
+    def sample(self, point: str) -> int:
+        """Measure now; returns this sample's total bytes."""
+        tensors = self._strategy.model_state_tensors()
+        # The module's current parameters too: at stage 3 FSDP2 swaps the gathered (unsharded)
+        # parameters in while a unit is unsharded, and they are model state while they live.
+        module = self._strategy.module
+        unsharded_params, unsharded_grads = _fsdp_unsharded(module)
+        tensors["params"] = [*tensors.get("params", []), *module.parameters(), *unsharded_params]
+        tensors["grads"] = [*tensors.get("grads", []), *unsharded_grads]
+        report = model_state_bytes(tensors)
+        if report["total"] > self._peak:
+            self._peak, self.peak_report, self.peak_point = report["total"], report, point
+        return report["total"]
+
+    def peak_bytes(self) -> int:
+        return self._peak

@@ -1,17 +1,22 @@
 """Optimizers named by the engine config's `optimizer` section.
 
 Called by `deepfleet.engine.build` (`build_optimizer(param_groups, config.optimizer)`) after the ZeRO
-strategy has mapped the user's param groups onto the tensors the optimizer updates. Adam, AdamW,
-SGD and Adagrad are torch's own classes (multi-tensor `foreach` path); DeepSpeed's `"Adam"` means
-decoupled weight decay unless `adam_w_mode` is false, so it maps to `torch.optim.AdamW` by default.
-`torch_adam` only chose between DeepSpeed's fused kernel and torch's class; the update is the same.
+strategy has mapped the user's param groups onto the tensors the optimizer updates.
+
+DeepSpeed's `"Adam"` means decoupled weight decay unless `adam_w_mode` is false. `"Adam"`/`"AdamW"` with
+decoupled decay build `FusedAdamW`, which steps through the fused AdamW kernel
+(`deepfleet.kernels.fused_adamw`, whose dispatcher picks Triton on CUDA and torch's fused CPU kernel on
+the CPU); `torch_adam: true` (DeepSpeed's switch away from its fused kernel), `amsgrad` and L2-coupled
+Adam (`adam_w_mode: false`) build torch's own classes on their multi-tensor `foreach` path, as do SGD and
+Adagrad. The update is the same either way (tested against `torch.optim.AdamW`).
 
 Lamb and Lion are not in torch, so they are written here as `torch.optim.Optimizer` subclasses:
 per-group hyper-parameters, state in `self.state` (so `state_dict()`/`load_state_dict()` and
 `torch.distributed.checkpoint` work as for torch's optimizers), and a multi-tensor step on
 `torch._foreach_*` ops (the same ops torch's own optimizers use) with a per-tensor fallback.
-Lamb's trust ratio needs whole-parameter norms: for DTensor parameters (ZeRO-3) the norm is reduced
-over the shards; for plain tensors it is the norm of the tensor the optimizer holds.
+Lamb's trust ratio needs whole-parameter norms: for DTensor parameters (the row shards of ZeRO-1/2 and
+the FSDP2 shards of ZeRO-3) the norm is reduced over the shards; for plain tensors (stage 0) it is the
+norm of the tensor the optimizer holds.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from deepfleet.engine import comm
 from deepfleet.engine.config_optim import (
     AdagradConfig,
     AdamConfig,
@@ -31,8 +37,9 @@ from deepfleet.engine.config_optim import (
     OptimizerConfig,
     SGDConfig,
 )
+from deepfleet.kernels.fused_adamw import fused_adamw
 
-__all__ = ["Lamb", "Lion", "build_optimizer"]
+__all__ = ["FusedAdamW", "Lamb", "Lion", "build_optimizer"]
 
 
 def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -41,6 +48,8 @@ def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> tor
     p = config.params
     if isinstance(config, (AdamConfig, AdamWConfig)):
         decoupled = isinstance(config, AdamWConfig) or p.adam_w_mode
+        if decoupled and not p.torch_adam and not p.amsgrad:
+            return FusedAdamW(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
         return cls(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay, amsgrad=p.amsgrad,
                    foreach=True)
@@ -77,11 +86,71 @@ def _check_hparams(lr: float, betas: tuple[float, float], weight_decay: float) -
 
 
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each whole tensor (DTensor shards reduced to the full parameter's norm), shape (n,)."""
-    norms = []
-    for n in torch._foreach_norm(tensors):
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    return torch.stack([n.double() for n in norms])  # a handful of scalars; float64 keeps ratios exact
+    """L2 norm of each whole tensor, shape (n,), float64 (a handful of scalars; keeps ratios exact).
+
+    A sharded DTensor (ZeRO-1/2 row shards, ZeRO-3 FSDP2 shards) is normed as the whole parameter:
+    the squares of the local shards are summed over the mesh, one all-reduce per mesh for the whole
+    list rather than one per tensor."""
+    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    squares = torch.stack([n.double() for n in torch._foreach_norm(locals_)]).pow(2)  # (n,)
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor) and any(p.is_shard() for p in t.placements):
+            if t.device_mesh.ndim == 1:
+                by_mesh.setdefault(id(t.device_mesh), (t.device_mesh, []))[1].append(i)
+            else:  # a multi-dimensional mesh: let DTensor reduce it
+                squares[i] = torch.linalg.vector_norm(t, dtype=torch.float64).full_tensor().pow(2)
+    for mesh, index in by_mesh.values():
+        part = squares[index]  # a copy (advanced indexing)
+        comm.all_reduce(part, group=mesh.get_group())
+        squares[index] = part
+    return squares.sqrt()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor's local shard, sharing its storage (updates in place reach the DTensor).
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, `torch.optim.AdamW`'s update and state names: "step", "exp_avg",
+    "exp_avg_sq") stepped by the fused kernel, one launch per param group and step count. Works on
+    plain tensors and on DTensor shards (ZeRO stages 1-3): AdamW is elementwise, so each rank updates
+    its local shard, and the state tensors are DTensors laid out like their parameters."""
+
+    def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        _check_hparams(lr, betas, weight_decay)
+        if eps < 0:
+            raise ValueError(f"eps: must be >= 0, got {eps}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_step: dict[int, list[torch.Tensor]] = {}  # params that skipped a step have a lower count
+            for p in _params_with_grad(group):
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                by_step.setdefault(int(state["step"]), []).append(p)
+            beta1, beta2 = group["betas"]
+            for step, params in by_step.items():
+                fused_adamw(
+                    [_local(p) for p in params], [_local(p.grad) for p in params],
+                    [_local(self.state[p]["exp_avg"]) for p in params],
+                    [_local(self.state[p]["exp_avg_sq"]) for p in params],
+                    lr=group["lr"], betas=(beta1, beta2), eps=group["eps"], weight_decay=group["weight_decay"],
+                    step=step,
+                )  # fmt: skip
+        return loss
 
 
 class _ChunkedOptimizer(torch.optim.Optimizer):

@@ -1,9 +1,10 @@
 """Cross-entropy over large vocabularies: fused log-softmax + NLL with ignore_index, label smoothing
 and reduction; the gradient is produced in the same pass as the loss.
 
-Called by model/loss code as `cross_entropy(logits, target, ...)` (the `torch.nn.functional` meaning).
-The pure-torch functions here are the specification and the CPU path; `deepfleet::cross_entropy` is
-the custom op that dispatches to them or to `kernels/_triton/cross_entropy.py` (see `_dispatch`).
+For users' model and loss code, as `cross_entropy(logits, target, ...)` (the `torch.nn.functional`
+meaning); nothing in deepfleet calls it yet. The pure-torch functions here are the specification and the
+CPU path; `deepfleet::cross_entropy` is the custom op that dispatches to them or to
+`kernels/_triton/cross_entropy.py` (see `_dispatch`).
 
 Why hand-written: eager torch upcasts and keeps the whole (rows, vocab) log-softmax for the backward pass;
 at vocab 50k+ that dominates peak memory. Here the forward walks each row in vocab chunks (online

@@ -1,8 +1,8 @@
 """GeGLU: `y = gelu(gate) * up`, forward and backward, exact (erf) or tanh-approximated GELU.
 
-Called by model code as `geglu(gate, up, approximate="none"|"tanh")`. The pure-torch functions here are
-the specification and the CPU path; `deepfleet::geglu` is the custom op that dispatches to them or to
-`kernels/_triton/glu.py` (see `_dispatch`).
+For users' model code, as `geglu(gate, up, approximate="none"|"tanh")`; nothing in deepfleet calls it
+yet. The pure-torch functions here are the specification and the CPU path; `deepfleet::geglu` is the
+custom op that dispatches to them or to `kernels/_triton/glu.py` (see `_dispatch`).
 
 Precision: math in fp32 (float64 stays float64), outputs in the input dtype. Shapes: gate, up, y (...).
 Backward: dgate = dy * up * gelu'(gate), dup = dy * gelu(gate), with

@@ -1,8 +1,8 @@
 """LayerNorm over the last dimension: `y = (x - mean) / sqrt(var + eps) * weight + bias`, fwd and bwd.
 
-Called by model code as `layer_norm(x, weight, bias, eps)`. The pure-torch functions here are the
-specification and the CPU path; `deepfleet::layer_norm` is the custom op that dispatches to them or to
-`kernels/_triton/layer_norm.py` (see `_dispatch`).
+For users' model code, as `layer_norm(x, weight, bias, eps)`; nothing in deepfleet calls it yet. The
+pure-torch functions here are the specification and the CPU path; `deepfleet::layer_norm` is the custom
+op that dispatches to them or to `kernels/_triton/layer_norm.py` (see `_dispatch`).
 
 Precision: all math in fp32 (float64 stays float64); biased variance as in `torch.nn.LayerNorm`;
 outputs in the input dtype; mean and rstd stay fp32 and are saved for the backward pass.

@@ -1,10 +1,10 @@
 """MoE token permutation: `moe_permute` groups token rows by expert from top-k routing (with capacity
 dropping) and `moe_unpermute` scatters expert outputs back, weighted by the gates; both differentiable.
 
-Called by the engine's MoE layer (`engine/moe/`) around the all-to-all dispatch and the expert GEMMs.
-The pure-torch functions here are the specification and the CPU path; `deepfleet::moe_permute` and
-`deepfleet::moe_unpermute` are the custom ops that dispatch to them or to `kernels/_triton/moe_permute.py`
-(see `_dispatch`).
+Meant for an MoE layer, around the all-to-all dispatch and the expert GEMMs; the engine has no MoE layer
+yet, so nothing in deepfleet calls it. The pure-torch functions here are the specification and the CPU
+path; `deepfleet::moe_permute` and `deepfleet::moe_unpermute` are the custom ops that dispatch to them or
+to `kernels/_triton/moe_permute.py` (see `_dispatch`).
 
 Routing (`moe_route`, index math in torch): assignments are ranked slot-major -- every token's first
 choice before any second choice, tokens in order within a slot -- so under a capacity the top-1 choices

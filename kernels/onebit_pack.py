@@ -2,10 +2,10 @@
 a tensor into sign bits packed into uint8 plus one scale per chunk and updates the error-feedback
 buffer in place; `onebit_unpack` rebuilds the compressed values.
 
-Called by the engine's compressed optimizers (`engine/optim.py`) around their all-to-all/all-gather of
-momentum. The pure-torch functions here are the specification and the CPU path; `deepfleet::onebit_pack`
-and `deepfleet::onebit_unpack` are the custom ops that dispatch to them or to
-`kernels/_triton/onebit_pack.py` (see `_dispatch`).
+Meant for compressed communication (1-bit optimizers, around their all-to-all/all-gather of momentum);
+the engine has none yet, so nothing in deepfleet calls it. The pure-torch functions here are the
+specification and the CPU path; `deepfleet::onebit_pack` and `deepfleet::onebit_unpack` are the custom
+ops that dispatch to them or to `kernels/_triton/onebit_pack.py` (see `_dispatch`).
 
 Format, for x of n elements (flattened) and chunk_size C (a multiple of 8):
   c = x + error                                       (fp32; error-compensated input)

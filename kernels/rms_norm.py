@@ -1,6 +1,6 @@
 """RMSNorm over the last dimension: `y = x / sqrt(mean(x**2) + eps) * weight`, forward and backward.
 
-Called by model code (and the engine's fused paths) as `rms_norm(x, weight, eps)`. The pure-torch
+For users' model code, as `rms_norm(x, weight, eps)`; nothing in deepfleet calls it yet. The pure-torch
 functions here are the specification and the CPU path; `deepfleet::rms_norm` is the custom op that
 dispatches to them or to `kernels/_triton/rms_norm.py` (see `_dispatch`).
 

@@ -1,8 +1,9 @@
 """Rotary position embedding (rotate-half convention, as in GPT-NeoX and Llama), forward and backward.
 
-Called by attention code as `rope(q, cos, sin)` and `rope(k, cos, sin)`, with tables from
-`rope_cos_sin`. The pure-torch functions here are the specification and the CPU path; `deepfleet::rope`
-is the custom op that dispatches to them or to `kernels/_triton/rope.py` (see `_dispatch`).
+For users' attention code, as `rope(q, cos, sin)` and `rope(k, cos, sin)`, with tables from
+`rope_cos_sin`; nothing in deepfleet calls it yet. The pure-torch functions here are the specification
+and the CPU path; `deepfleet::rope` is the custom op that dispatches to them or to
+`kernels/_triton/rope.py` (see `_dispatch`).
 
 Shapes: x (batch, seq, heads, head_dim) with head_dim even; cos, sin (seq, head_dim // 2), fp32.
 With x = [x1, x2] split in halves of the last dim:

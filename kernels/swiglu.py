@@ -1,8 +1,9 @@
 """SwiGLU: `y = silu(gate) * up`, forward and backward (the gated MLP of Llama-style blocks).
 
-Called by model code as `swiglu(gate, up)` with the two halves of the up-projection. The pure-torch
-functions here are the specification and the CPU path; `deepfleet::swiglu` is the custom op that
-dispatches to them or to `kernels/_triton/glu.py` (see `_dispatch`).
+For users' model code, as `swiglu(gate, up)` with the two halves of the up-projection; nothing in
+deepfleet calls it yet. The pure-torch functions here are the specification and the CPU path;
+`deepfleet::swiglu` is the custom op that dispatches to them or to `kernels/_triton/glu.py` (see
+`_dispatch`).
 
 Precision: math in fp32 (float64 stays float64), outputs in the input dtype. Shapes: gate, up, y (...).
 Backward: dgate = dy * up * s * (1 + gate * (1 - s)) with s = sigmoid(gate); dup = dy * silu(gate).

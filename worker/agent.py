@@ -18,6 +18,7 @@ rendezvous TCPStore) a restarted group fails or hangs in init_process_group on t
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import runpy
@@ -39,6 +40,7 @@ from deepfleet.worker.spec import (
     ExitCode,
     FailureClass,
     FailureReport,
+    RestartPolicy,
     ScriptEntrypoint,
     WorkerSpec,
     WorkerSpecError,
@@ -46,6 +48,14 @@ from deepfleet.worker.spec import (
     load_worker_spec,
     signal_exit_code,
 )
+
+# Set in every training process: the file a process writes its exit code to when the restart policy
+# does not retry its failure (the worker then ends the attempt instead of restarting the group).
+FINAL_MARKER_ENV = "DEEPFLEET_FINAL_MARKER"
+
+# The engine builds the sinks this names at initialize (engine/metrics.py); the heartbeat's posts steps.
+STEP_SINKS_ENV = "DEEPFLEET_STEP_SINKS"
+HEARTBEAT_SINK = "deepfleet.worker.heartbeat:step_sink"
 
 # Which failure decides the worker's exit code when ranks fail differently: the root cause usually
 # fails first and differently (one rank raises, its peers then time out in a collective).
@@ -124,15 +134,17 @@ def launch_config(spec: WorkerSpec, rdzv: Rendezvous):
             # which fails when the endpoint is a Service DNS name.
             "is_host": rdzv.node_rank == 0,
         },
-        max_restarts=spec.restart.max_restarts,
-        monitor_interval=spec.restart.monitor_interval_s,
+        # In-place restarts: capped by the policy; a failure it does not retry stops the group at once
+        # (the child writes the final marker, see _end_attempt).
+        max_restarts=spec.restart.in_place_budget,
+        monitor_interval=spec.monitor_interval_s,
         start_method="spawn",
         # SIGTERM -> workers checkpoint at their next step boundary; SIGKILL only after the grace period.
         shutdown_timeout=math.ceil(spec.preemption.grace_period_s),
     )
 
 
-def child_environment(spec: WorkerSpec, *, marker: Path, cpu: bool) -> dict[str, str]:
+def child_environment(spec: WorkerSpec, *, marker: Path, final: Path, cpu: bool) -> dict[str, str]:
     """Variables the training processes inherit from this worker."""
     # The worker watches the notice file itself (see _watch_notice_file): a training process that
     # stopped on its own would look like a failure to the agent and be restarted.
@@ -142,14 +154,40 @@ def child_environment(spec: WorkerSpec, *, marker: Path, cpu: bool) -> dict[str,
         # The token travels in DEEPFLEET_TOKEN only, never inside the spec text.
         SPEC_ENV: child_spec.model_dump_json(exclude={"heartbeat": {"token"}}),
         MARKER_ENV: str(marker),
+        FINAL_MARKER_ENV: str(final),
         "DEEPFLEET_JOB_ID": spec.job_id,
         "DEEPFLEET_ATTEMPT": str(spec.attempt),
     }
     if spec.heartbeat.token:
         env[TOKEN_ENV] = spec.heartbeat.token
+    env.update(job_environment(spec))
     if cpu:
         env["OMP_NUM_THREADS"] = "1"
     env.update(spec.env)
+    return env
+
+
+def job_environment(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the job hands its training code (names in `deepfleet.engine.job_env`): the engine config, the
+    checkpoint directory and the step budget; and, for a script, the heartbeat step sink the engine
+    loads, so a script's steps reach the controller as the managed loop's do (progress, loss, hang
+    detection, the checkpoint named at preemption)."""
+    from deepfleet.engine import job_env  # torch-free
+
+    env: dict[str, str] = {}
+    if spec.engine_config is not None:
+        config = spec.engine_config
+        env[job_env.ENGINE_CONFIG_ENV] = config if isinstance(config, str) else json.dumps(config)
+    if spec.checkpoint is not None:
+        env[job_env.CHECKPOINT_DIR_ENV] = spec.checkpoint.dir
+        if spec.checkpoint.every_steps:
+            env[job_env.CHECKPOINT_EVERY_ENV] = str(spec.checkpoint.every_steps)
+    if spec.max_steps is not None:
+        env[job_env.MAX_STEPS_ENV] = str(spec.max_steps)
+    if isinstance(spec.entrypoint, ScriptEntrypoint) and spec.heartbeat.url:
+        current = (os.environ if environ is None else environ).get(STEP_SINKS_ENV, "")
+        if HEARTBEAT_SINK not in current.split(","):
+            env[STEP_SINKS_ENV] = ",".join(filter(None, [current, HEARTBEAT_SINK]))
     return env
 
 
@@ -169,9 +207,10 @@ def check_engine_config(spec: WorkerSpec, *, world_size: int) -> list[str]:
     return []
 
 
-def _watch_notice_file(path: str, stop: threading.Event, *, interval_s: float = 0.5) -> None:
+def _watch_notice_file(path: str | Path, stop: threading.Event, *, interval_s: float = 0.5) -> None:
     # Turn the notice into SIGTERM to ourselves: torch's agent then forwards it to the training
-    # processes and waits the grace period, the same path as a real SIGTERM.
+    # processes and waits the grace period, the same path as a real SIGTERM. The final marker takes
+    # the same path: it ends the attempt before the agent can restart the group in place.
     while not stop.wait(interval_s):
         if os.path.exists(path):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -206,13 +245,15 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
     from torch.distributed.launcher.api import elastic_launch
 
     workdir = Path(tempfile.mkdtemp(prefix=f"deepfleet-{spec.job_id}-"))
-    marker = workdir / "preempted"
-    os.environ.update(child_environment(spec, marker=marker, cpu=not torch.cuda.is_available()))
+    marker, final = workdir / "preempted", workdir / "final"
+    os.environ.update(child_environment(spec, marker=marker, final=final, cpu=not torch.cuda.is_available()))
     stop = threading.Event()
     # Until torch's agent installs its own handlers (when the processes start), SIGTERM during the
     # rendezvous would kill this process outright; make it the same exception torch raises.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_signal_exception)
+    threading.Thread(target=_watch_notice_file, args=(final, stop), kwargs={"interval_s": 0.1},
+                     name="deepfleet-final", daemon=True).start()
     if spec.preemption.notice_file:
         threading.Thread(target=_watch_notice_file, args=(spec.preemption.notice_file, stop),
                          name="deepfleet-notice", daemon=True).start()
@@ -227,6 +268,11 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return code
     except SignalException as e:
+        if final.exists():
+            code = int(final.read_text() or ExitCode.USER_ERROR)
+            print(f"deepfleet-worker: training failed ({classify_exit(code).value}, exit {code}); "
+                  "the restart policy does not retry it, so the group is not restarted", file=sys.stderr, flush=True)
+            return code
         if marker.exists():
             print(f"deepfleet-worker: preempted; checkpoint {marker.read_text() or '(none)'} is complete",
                   file=sys.stderr, flush=True)
@@ -262,6 +308,17 @@ def _report(spec: WorkerSpec | None, code: int, exc: BaseException) -> None:
     )
 
 
+def _end_attempt(spec: WorkerSpec | None, code: int) -> int:
+    # A failure the restart policy does not retry (64 invalid spec, 77 OOM, 65 unless retryOnUserError)
+    # must not be re-run by the elastic agent's in-place restarts: tell the worker through the final
+    # marker, which it turns into the end of the attempt. Returns `code`.
+    path = os.environ.get(FINAL_MARKER_ENV)
+    policy = spec.restart if spec is not None else RestartPolicy()
+    if code != ExitCode.SUCCEEDED and path and not policy.retries(classify_exit(code)):
+        Path(path).write_text(str(code))
+    return code
+
+
 def _die_with_parent() -> None:
     # torch's agent starts training processes in their own sessions, so a worker killed outright
     # (SIGKILL, the OOM killer) would leave them training on as orphans; on Linux, ask the kernel
@@ -290,9 +347,9 @@ def child_main() -> int:
         if e.code is None or e.code == 0:
             return int(ExitCode.SUCCEEDED)
         if isinstance(e.code, int) and e.code in _CONTRACT_CODES:
-            return e.code
+            return _end_attempt(spec, e.code)
         print(f"training exited with {e.code!r}", file=sys.stderr, flush=True)
-        return int(ExitCode.USER_ERROR)
+        return _end_attempt(spec, int(ExitCode.USER_ERROR))
     except BaseException as e:  # the training code's failure becomes an exit code and a report
         code = exit_code_for_exception(e)
         if code == ExitCode.INVALID_SPEC:  # the user's input: one line per problem, no traceback
@@ -301,7 +358,7 @@ def child_main() -> int:
         else:
             traceback.print_exc()
         _report(spec, code, e)
-        return code
+        return _end_attempt(spec, code)
 
 
 if __name__ == "__main__":

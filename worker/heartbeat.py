@@ -1,7 +1,10 @@
 """Post heartbeats (and failure reports) to the controller without ever slowing training.
 
-Caller: `worker/train.py` on rank 0 (heartbeats) and on any rank before an abnormal exit (a failure
-report). `submit()` only appends to a bounded deque and returns; a daemon thread posts the newest
+Callers: the engine's step seam, through `HeartbeatSink` (a `StepSink`: heartbeats are made from the
+engine's `StepMetrics`, never measured here), which `worker/train.py` adds to the managed loop's engine
+and `step_sink()` builds for a plain script (the worker's launch environment names it in
+`DEEPFLEET_STEP_SINKS`); `worker/agent.py` on any rank before an abnormal exit (a failure report).
+`HeartbeatReporter.submit()` only appends to a bounded deque and returns; a daemon thread posts the newest
 items with a short HTTP timeout. When the endpoint is slow or down the deque drops its *oldest*
 entry (the newest state is what the controller wants), failures are logged at most once per
 interval, and nothing ever raises into the training loop. Hand-written on urllib (stdlib) because
@@ -11,15 +14,31 @@ non-blocking reporter with these semantics.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
+import os
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from deepfleet.worker.spec import FailureReport, Heartbeat, HeartbeatSpec
+from deepfleet.worker.spec import (
+    HEARTBEAT_URL_ENV,
+    SPEC_ENV,
+    TOKEN_ENV,
+    FactoryEntrypoint,
+    FailureReport,
+    Heartbeat,
+    HeartbeatSpec,
+    load_worker_spec,
+)
+
+if TYPE_CHECKING:
+    from deepfleet.engine.metrics import StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +152,92 @@ class HeartbeatReporter:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+class HeartbeatSink:
+    """A `StepSink` (see `deepfleet.engine.metrics`) that turns the engine's step records into heartbeats:
+    whenever the reporter says one is due, it submits the newest step's loss, lr and grad norm and the
+    token throughput over the steps since the previous heartbeat. `last_checkpoint()` names the newest
+    complete checkpoint (the managed loop knows it; a script job's is read from its checkpoint dir)."""
+
+    def __init__(self, reporter: HeartbeatReporter, *,
+                 last_checkpoint: Callable[[], str | None] = lambda: None) -> None:
+        self.reporter = reporter
+        self.last_checkpoint = last_checkpoint
+        self.last: StepMetrics | None = None
+        self._tokens: int | None = None
+        self._elapsed = 0.0
+
+    def __call__(self, m: StepMetrics) -> None:
+        self.last = m
+        if m.tokens is not None:
+            self._tokens = (self._tokens or 0) + m.tokens
+        self._elapsed += m.elapsed_s
+        if self.reporter.due():
+            self.beat()
+
+    def heartbeat(self, **fields: Any) -> Heartbeat:
+        """A heartbeat of the newest step (fields override: e.g. loss=None after the run)."""
+        m = self.last
+        values: dict[str, Any] = {"step": 0, "last_complete_checkpoint": self.last_checkpoint()}
+        if m is not None:
+            rate = self._tokens / self._elapsed if self._tokens is not None and self._elapsed > 0 else None
+            values.update(step=m.step, loss=m.loss, lr=m.lr, grad_norm=_finite(m.grad_norm), tokens_per_s=rate)
+        values.update(fields)
+        return Heartbeat(**values)
+
+    def beat(self, **fields: Any) -> None:
+        """Submit a heartbeat now (never blocks) and start a new throughput window."""
+        self.reporter.submit(self.heartbeat(**fields))
+        self._tokens, self._elapsed = None, 0.0
+
+
+def _finite(x: float | None) -> float | None:
+    # An fp16-overflowed step has an inf/nan norm; JSON has no such numbers.
+    return x if x is None or x - x == 0 else None
+
+
+def step_sink(environ: Mapping[str, str] | None = None) -> HeartbeatSink | None:
+    """The `DEEPFLEET_STEP_SINKS` factory ("deepfleet.worker.heartbeat:step_sink") that gives a plain
+    script launched by the worker the managed loop's heartbeats. On rank 0 only (None elsewhere, when
+    no heartbeat URL is known, and for a factory job, whose managed loop posts its own). The endpoint comes from the worker spec in `DEEPFLEET_WORKER_SPEC`
+    (interval and timeout included), else from `DEEPFLEET_HEARTBEAT_URL`; the token from
+    `DEEPFLEET_TOKEN`. Heartbeats name the newest complete checkpoint under the spec's
+    `checkpoint.dir`. A last heartbeat goes out, and the queue is flushed, when the script exits."""
+    env = os.environ if environ is None else environ
+    if _rank(env) != 0:
+        return None
+    ckpt_dir: str | None = None
+    if env.get(SPEC_ENV):
+        spec = load_worker_spec(environ=env)
+        if isinstance(spec.entrypoint, FactoryEntrypoint):
+            return None  # the managed loop (worker/train.py) adds its own HeartbeatSink
+        hb, ckpt_dir = spec.heartbeat, (spec.checkpoint.dir if spec.checkpoint else None)
+    else:
+        hb = HeartbeatSpec(url=env.get(HEARTBEAT_URL_ENV), token=env.get(TOKEN_ENV))
+    if hb.url is None:
+        return None
+    sink = HeartbeatSink(HeartbeatReporter(hb).start(), last_checkpoint=_checkpoint_reader(ckpt_dir))
+
+    def at_exit() -> None:
+        if sink.last is not None:
+            sink.beat()
+        sink.reporter.close()
+
+    atexit.register(at_exit)
+    return sink
+
+
+def _rank(env: Mapping[str, str]) -> int:
+    import torch.distributed as dist  # the engine is already loaded: this sink is built by it
+
+    return dist.get_rank() if dist.is_initialized() else int(env.get("RANK", "0"))
+
+
+def _checkpoint_reader(ckpt_dir: str | None) -> Callable[[], str | None]:
+    if ckpt_dir is None:
+        return lambda: None
+    from deepfleet.engine.checkpoint.layout import find_latest_complete
+
+    root = Path(ckpt_dir)
+    return lambda: find_latest_complete(root) if root.is_dir() else None

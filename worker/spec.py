@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -33,14 +34,20 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.alias_generators import to_camel
 
 SPEC_ENV = "DEEPFLEET_WORKER_SPEC"
 JOB_ID_ENV = "DEEPFLEET_JOB_ID"
 ATTEMPT_ENV = "DEEPFLEET_ATTEMPT"
 HEARTBEAT_URL_ENV = "DEEPFLEET_HEARTBEAT_URL"
 TOKEN_ENV = "DEEPFLEET_TOKEN"
+# Admin allow-listed module prefixes an entrypoint factory may name although they are installed packages.
+FACTORY_MODULES_ENV = "DEEPFLEET_FACTORY_MODULES"
 
 SIGNAL_EXIT_BASE = 128
+# Every number has a range (the controller's database columns are 32-bit; no real job is near these).
+MAX_NODES = 4096
+MAX_STEPS = 10**9
 
 
 # ---------------------------------------------------------------------------------------------- exit codes
@@ -130,18 +137,69 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ScriptEntrypoint(_Model):
+class Section(BaseModel):
+    """Base of the sections the JobSpec shares with the WorkerSpec (`controller/spec.py` embeds them):
+    unknown keys are errors; the job's YAML writes camelCase (`everySteps`), the worker's JSON and
+    Python snake_case (`every_steps`), and both validate; field docstrings are the schema's descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        populate_by_name=True,
+        alias_generator=to_camel,
+        use_attribute_docstrings=True,
+    )
+
+
+def _scalar_to_str(value: Any) -> Any:
+    # YAML reads `50`, `1.5` or `true` as numbers and booleans where the job means text
+    # (`args: ["--steps", 50]`, `labels: {version: 2}`); take them as the text the user wrote.
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+Text = Annotated[str, BeforeValidator(_scalar_to_str)]
+"""A string field that also accepts a YAML number or boolean, as its text."""
+
+
+class ScriptEntrypoint(Section):
     """A DeepSpeed-style user script, run in every training process as `__main__` with `args`."""
 
-    script: str = Field(description="Path of the Python script (absolute, or relative to the working dir).")
-    args: list[str] = Field(default_factory=list, description="Command-line arguments for the script.")
+    script: Annotated[str, Field(min_length=1)]
+    """Path of the Python training script (absolute, or relative to the worker's working directory)."""
+    args: list[Text] = []
+    """Command-line arguments passed to the script."""
 
 
-class FactoryEntrypoint(_Model):
-    """A `pkg.mod:function` returning the model, data and (optionally) a loss for the managed loop."""
+def _legacy_factory_args(value: Any) -> Any:
+    # Factory args were once a list of "key=value" strings. They are a mapping now, with typed values;
+    # the old form is rejected (not translated) so one spelling remains, and the error is the rewrite.
+    if not isinstance(value, list):
+        return value
+    pairs = []
+    for item in value:
+        key, sep, raw = str(item).partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"factory args are a mapping of keyword arguments, got the list {value!r}; "
+                             "write args: {name: value, ...}")
+        pairs.append(f"{key}: {raw}")
+    steps = [p for p in pairs if p.startswith("max_steps:")]
+    hint = f" and move {steps[0]} to spec.maxSteps" if steps else ""
+    rest = ", ".join(p for p in pairs if not p.startswith("max_steps:"))
+    raise ValueError(f"factory args are a mapping now, not key=value strings; write args: {{{rest}}}{hint}")
 
-    factory: str = Field(description='"package.module:function"; called with `kwargs`, returns a ManagedJob.')
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+
+class FactoryEntrypoint(Section):
+    """A `package.module:function` the managed loop (worker/train.py) calls as `function(**args)`; it
+    returns a `ManagedJob` (model, data, loss)."""
+
+    factory: str
+    """"package.module:function", imported from the worker's working directory."""
+    args: Annotated[dict[str, Any], BeforeValidator(_legacy_factory_args)] = {}
+    """Keyword arguments for the factory, with their YAML/JSON types (`{d_model: 64, lr: 3e-4}`)."""
 
     @field_validator("factory")
     @classmethod
@@ -149,6 +207,14 @@ class FactoryEntrypoint(_Model):
         mod, sep, fn = v.partition(":")
         if not sep or not mod or not fn or not all(p.isidentifier() for p in [*mod.split("."), *fn.split(".")]):
             raise ValueError(f'{v!r} is not "package.module:function"; write it like "examples.gpt.factories:build"')
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _no_step_budget(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if "max_steps" in v:
+            raise ValueError("max_steps is the job's step budget, not a factory argument; "
+                             "move it to spec.maxSteps")
         return v
 
 
@@ -167,22 +233,71 @@ Entrypoint = Annotated[
     Discriminator(
         _entrypoint_kind,
         custom_error_type="entrypoint_kind",
-        custom_error_message='needs "script" (a user script) or "factory" ("pkg.mod:function"); set one of them',
+        custom_error_message="give either {script: path, args: [...]} or "
+        "{factory: 'package.module:function', args: {...}}",
     ),
 ]
 
 
-class NodesSpec(_Model):
+class Nodes(Section):
     """Elastic node range: training runs with any node count in [min, max] (torchrun --nnodes MIN:MAX)."""
 
-    min: int = Field(1, ge=1, description="Fewest nodes training may run with.")
-    max: int = Field(1, ge=1, description="Most nodes training may run with.")
+    min: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
+    """Fewest nodes the job may run on (an elastic job shrinks and reshards down to this)."""
+    max: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
+    """Most nodes the job asks for."""
 
     @model_validator(mode="after")
-    def _ordered(self) -> NodesSpec:
+    def _ordered(self) -> Nodes:
         if self.min > self.max:
-            raise ValueError(f"min={self.min} is larger than max={self.max}; make min <= max")
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max}); set min <= max")
         return self
+
+
+class Checkpoint(Section):
+    """Where and how often training checkpoints (layout: DESIGN.md, "Checkpoint layout"). The managed
+    loop saves by itself; a script gets `dir` as DEEPFLEET_CHECKPOINT_DIR."""
+
+    dir: Annotated[str, Field(min_length=1)]
+    """Checkpoint directory shared by all nodes (a shared path or mounted volume); every attempt resumes
+    from its newest complete checkpoint."""
+    every_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
+    """Save every N optimizer steps; null saves only on preemption and at the end."""
+    keep_last: Annotated[int | None, Field(ge=1, le=10_000)] = None
+    """Keep only the newest N complete checkpoints; null keeps all."""
+    resume_from: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9-]+$")] = None
+    """Id of an earlier job of the same project whose newest complete checkpoint this job starts from;
+    null starts fresh (a job never picks up another job's checkpoints by name)."""
+
+
+class RestartPolicy(Section):
+    """How failures are retried: two knobs, attempts (the controller starts the job again on fresh
+    processes, possibly elsewhere, resuming from the newest checkpoint) and in-place restarts (a node's
+    elastic agent restarts its process group inside one attempt, without rescheduling). The only place
+    that holds the restart defaults: the reconciler, the lifecycle and the worker all read them here."""
+
+    max_restarts: Annotated[int, Field(ge=0, le=10_000)] = 3
+    """New attempts after retryable failures (preemptions do not count). 0: the first failure is final,
+    with neither a new attempt nor an in-place restart."""
+    in_place_restarts: Annotated[int, Field(ge=0, le=10_000)] = 3
+    """In-place restarts of the process group per attempt, capped at maxRestarts. Never used for a
+    failure the policy does not retry (invalid spec, out of memory, a user error without
+    retryOnUserError): those end the attempt at once."""
+    backoff_seconds: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 5.0
+    """Wait before a new attempt; doubles on each consecutive failure."""
+    retry_on_user_error: bool = False
+    """Also retry when the training code raised (worker exit 65); off by default, as a bug repeats."""
+
+    @property
+    def in_place_budget(self) -> int:
+        """In-place restarts the elastic agent may make in one attempt."""
+        return min(self.in_place_restarts, self.max_restarts)
+
+    def retries(self, failure: FailureClass) -> bool:
+        """Whether a failure of this class may be retried (in place or by a new attempt)."""
+        if failure in (FailureClass.SUCCEEDED, FailureClass.INVALID_SPEC, FailureClass.OOM):
+            return False
+        return failure is not FailureClass.USER_ERROR or self.retry_on_user_error
 
 
 class RendezvousSpec(_Model):
@@ -215,22 +330,6 @@ class RendezvousSpec(_Model):
         return v
 
 
-class CheckpointSpec(_Model):
-    """Where and how often the managed loop checkpoints (layout: DESIGN.md, "Checkpoint layout")."""
-
-    dir: str | None = Field(None, description="Checkpoint root shared by all nodes; None: no checkpoints.")
-    every_steps: int = Field(0, ge=0, description="Save every N optimizer steps (0: only at the end/preemption).")
-    keep_last: int | None = Field(None, ge=1, description="Keep only the newest N complete checkpoints.")
-
-
-class RestartSpec(_Model):
-    """In-place restarts by the elastic agent before the worker gives up (the controller's ladder
-    then starts a new attempt)."""
-
-    max_restarts: int = Field(3, ge=0, description="Local restarts of the whole process group.")
-    monitor_interval_s: float = Field(1.0, gt=0, description="How often the agent checks its processes.")
-
-
 class HeartbeatSpec(_Model):
     """Rank 0 posts a Heartbeat to `url`; any rank may post a FailureReport to `failure_url`."""
 
@@ -261,27 +360,37 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class WorkerSpec(_Model):
-    """Everything one worker needs to run its share of a training job."""
+    """Everything one worker needs to run its share of a training job. The sections it shares with the
+    JobSpec (entrypoint, nodes, checkpoint, restart policy, max_steps) are the same models."""
 
-    job_id: str = Field(min_length=1, description="The controller's job id.")
-    attempt: int = Field(0, ge=0, description="Attempt number (new attempts start a new rendezvous).")
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    job_id: Annotated[str, Field(min_length=1)]
+    """The controller's job id."""
+    attempt: Annotated[int, Field(ge=0)] = 0
+    """Attempt number (new attempts start a new rendezvous)."""
     entrypoint: Entrypoint
-    engine_config: dict[str, Any] | str | None = Field(
-        None, description="Engine (DeepSpeed-style) config: an inline dict or a path to .json/.yaml."
-    )
-    platform: Literal["auto", "local", "kubernetes", "azureml"] = Field(
-        "auto", description="Whose environment names the node rank and master address; auto: detect."
-    )
-    nodes: NodesSpec = NodesSpec()
-    processes_per_node: int = Field(1, ge=1, description="Training processes per node (one per GPU).")
+    engine_config: dict[str, Any] | str | None = None
+    """Engine (DeepSpeed-style) config: an inline dict or a path to .json/.yaml."""
+    platform: Literal["auto", "local", "kubernetes", "azureml"] = "auto"
+    """Whose environment names the node rank and master address; auto: detect."""
+    nodes: Nodes = Nodes()
+    processes_per_node: Annotated[int, Field(ge=1)] = 1
+    """Training processes per node (one per GPU)."""
     rendezvous: RendezvousSpec = RendezvousSpec()
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    restart: RestartSpec = RestartSpec()
+    checkpoint: Checkpoint | None = None
+    """Where training checkpoints; null: no checkpoints."""
+    restart: RestartPolicy = RestartPolicy()
+    monitor_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    """How often the elastic agent checks its processes."""
     heartbeat: HeartbeatSpec = HeartbeatSpec()
     preemption: PreemptionSpec = PreemptionSpec()
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps the managed loop trains to.")
-    log_every_steps: int = Field(10, ge=1, description="Managed loop: print a progress line every N steps.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for training processes.")
+    max_steps: Annotated[int | None, Field(ge=1, le=MAX_STEPS)] = None
+    """Optimizer steps to train: the managed loop's length, a script's budget (DEEPFLEET_MAX_STEPS)."""
+    log_every_steps: Annotated[int, Field(ge=1)] = 10
+    """Managed loop: print a progress line every N steps."""
+    env: dict[str, str] = {}
+    """Extra environment for training processes."""
 
     @field_validator("env")
     @classmethod
@@ -294,13 +403,16 @@ class WorkerSpec(_Model):
     @model_validator(mode="after")
     def _factory_needs_steps(self) -> WorkerSpec:
         if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
-            raise ValueError("max_steps: a factory entrypoint needs it; set max_steps to the steps to train")
+            raise ValueError(MISSING_STEPS.format(key="max_steps"))
         return self
 
     @property
     def run_id(self) -> str:
         """The rendezvous run id: one per attempt, so a new attempt never joins a stale group."""
         return self.rendezvous.run_id or f"{self.job_id}-{self.attempt}"
+
+
+MISSING_STEPS = "{key}: a factory entrypoint needs it; set {key} to the optimizer steps to train"
 
 
 # ---------------------------------------------------------------------------------------------- reports

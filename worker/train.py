@@ -1,20 +1,23 @@
 """The managed training loop, for jobs whose entrypoint is a factory instead of a script.
 
 Caller: `worker/agent.py` (`child_main`, in every training process). The factory
-(`entrypoint.factory`, "pkg.mod:function", called with `entrypoint.kwargs`) returns a `ManagedJob`:
+(`entrypoint.factory`, "pkg.mod:function", called with `entrypoint.args` as keyword arguments) returns a `ManagedJob`:
 the model, the training data set and optionally a loss function. The loop builds the engine with
 `deepfleet.engine.initialize`, resumes from the newest *complete* checkpoint under `checkpoint.dir`
 (model, optimizer, LR schedule, data position and RNG, at any world size), trains to `max_steps`
 optimizer steps, checkpoints every `checkpoint.every_steps` and at the end, posts heartbeats from rank
-0, and on a preemption notice checkpoints at the next step boundary and exits 75.
+0 (a `HeartbeatSink` on the engine's step seam), and on a preemption notice checkpoints at the next
+step boundary and exits 75.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.util
 import os
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,9 +28,16 @@ import torch
 import torch.distributed as dist
 
 from deepfleet.engine.checkpoint.layout import find_latest_complete
-from deepfleet.worker.heartbeat import HeartbeatReporter
+from deepfleet.worker.heartbeat import HeartbeatReporter, HeartbeatSink
 from deepfleet.worker.signals import PreemptionWatcher, exit_preempted, mark_preempted
-from deepfleet.worker.spec import FactoryEntrypoint, Heartbeat, WorkerSpec, WorkerSpecError
+from deepfleet.worker.spec import (
+    FACTORY_MODULES_ENV,
+    FactoryEntrypoint,
+    WorkerSpec,
+    WorkerSpecError,
+)
+
+_LIB_KEYS = ("stdlib", "platstdlib", "purelib", "platlib")
 
 
 @dataclass
@@ -42,10 +52,31 @@ class ManagedJob:
     config: dict[str, Any] | str | None = None  # used when the spec has no engine_config
 
 
+def _check_factory_origin(module_name: str) -> None:
+    """A factory is the job's own code: its module's file must lie outside the interpreter's library
+    directories (standard library, site-packages), unless its prefix is in DEEPFLEET_FACTORY_MODULES
+    (set by the controller from the admin's allow-list). Raises WorkerSpecError, ModuleNotFoundError."""
+    allowed = [p for p in os.environ.get(FACTORY_MODULES_ENV, "").split(",") if p]
+    if any(module_name == p or module_name.startswith(p + ".") for p in allowed):
+        return
+    found = importlib.util.find_spec(module_name.split(".")[0])
+    if found is None:
+        raise ModuleNotFoundError(f"No module named {module_name.split('.')[0]!r}")
+    origins = [found.origin] if found.origin and found.origin not in ("built-in", "frozen") else []
+    origins += list(found.submodule_search_locations or [])
+    libs = {os.path.realpath(p) for k, p in sysconfig.get_paths().items() if k in _LIB_KEYS}
+    for origin in origins or ["<built-in>"]:
+        real = os.path.realpath(origin)
+        if origin == "<built-in>" or any(real == lib or real.startswith(lib + os.sep) for lib in libs):
+            raise WorkerSpecError([f"entrypoint.factory: {module_name!r} is not the job's own code (it comes "
+                                   "from the Python installation); name a function of your project's code"])
+
+
 def build_job(entry: FactoryEntrypoint) -> ManagedJob:
     """Import and call the factory; accept a ManagedJob or a mapping with the same keys."""
     module_name, _, attr = entry.factory.partition(":")
     try:
+        _check_factory_origin(module_name)
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise WorkerSpecError([f"entrypoint.factory: cannot import {module_name!r} ({e}); put the package on "
@@ -55,24 +86,13 @@ def build_job(entry: FactoryEntrypoint) -> ManagedJob:
             raise WorkerSpecError([f"entrypoint.factory: {module_name!r} has no {attr!r}; name a function "
                                    "defined in that module"])
         obj = getattr(obj, part)
-    job = obj(**entry.kwargs)
+    job = obj(**entry.args)
     if isinstance(job, Mapping):
         job = ManagedJob(**job)
     if not isinstance(job, ManagedJob):
         raise TypeError(f"{entry.factory} returned {type(job).__name__}; return a ManagedJob (or a dict with "
                         "model, training_data and optionally loss_fn, collate_fn, config)")
     return job
-
-
-def _tokens(batch: Any) -> int:
-    """Tokens in one micro-batch: input_ids elements for token batches, else the batch's rows."""
-    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
-        return batch["input_ids"].numel()
-    if isinstance(batch, Mapping):
-        batch = next(iter(batch.values()), None)
-    elif isinstance(batch, (list, tuple)):
-        batch = batch[0] if batch else None
-    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) and batch.dim() else 1
 
 
 def _batches(loader: Any) -> Iterator[Any]:
@@ -110,7 +130,7 @@ def run_managed(spec: WorkerSpec) -> None:
                                                  collate_fn=job.collate_fn)
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    ckpt_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else None
+    ckpt_dir = Path(spec.checkpoint.dir) if spec.checkpoint else None
     last_ckpt: str | None = None
     if ckpt_dir is not None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -124,13 +144,15 @@ def run_managed(spec: WorkerSpec) -> None:
         nonlocal last_ckpt
         if ckpt_dir is None:
             return
-        engine.save_checkpoint(ckpt_dir, keep_last=spec.checkpoint.keep_last)
+        engine.save_checkpoint(ckpt_dir, keep_last=spec.checkpoint.keep_last if spec.checkpoint else None)
         last_ckpt = find_latest_complete(ckpt_dir)
 
-    heartbeat = HeartbeatReporter(spec.heartbeat if rank == 0 else spec.heartbeat.model_copy(update={"url": None}))
-    heartbeat.start()
+    # Heartbeats and the progress line read the engine's StepMetrics (the step seam); nothing is
+    # measured here.
+    reporter = HeartbeatReporter(spec.heartbeat if rank == 0 else spec.heartbeat.model_copy(update={"url": None}))
+    heartbeat = HeartbeatSink(reporter.start(), last_checkpoint=lambda: last_ckpt)
+    engine.sinks.append(heartbeat)
     watcher = PreemptionWatcher(spec.preemption).install()
-    tokens, window_start, losses = 0, time.monotonic(), []
     saved_at = engine.global_steps
     batches = _batches(loader)
     try:
@@ -141,24 +163,16 @@ def run_managed(spec: WorkerSpec) -> None:
             engine.backward(loss)
             before = engine.global_steps
             engine.step()
-            tokens += _tokens(batch) * world
-            losses.append(loss.detach())
             if engine.global_steps == before:
                 continue  # not an accumulation boundary
             step = engine.global_steps
-            if ckpt_dir is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+            if spec.checkpoint is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
                 save()
                 saved_at = step
-            mean_loss = float(torch.stack(losses).float().mean())
-            losses = []
+            metrics = heartbeat.last
+            assert metrics is not None and metrics.step == step  # the sink saw this step
             if step % spec.log_every_steps == 0 or step == spec.max_steps:
-                _log(rank, f"step {step}/{spec.max_steps} loss {mean_loss:.4f} restart {restart} t={time.time():.3f}")
-            if heartbeat.due():
-                elapsed = max(time.monotonic() - window_start, 1e-9)
-                heartbeat.submit(Heartbeat(step=step, loss=mean_loss, lr=engine.get_lr()[0],
-                                           grad_norm=engine.get_global_grad_norm(), tokens_per_s=tokens / elapsed,
-                                           last_complete_checkpoint=last_ckpt))
-                tokens, window_start = 0, time.monotonic()
+                _log(rank, f"step {step}/{spec.max_steps} loss {metrics.loss:.4f} restart {restart} t={time.time():.3f}")
             if watcher.should_stop():
                 _log(rank, f"preemption ({watcher.reason}): checkpointing step {step}, "
                            f"{watcher.remaining_s():.1f}s of grace left")
@@ -166,16 +180,16 @@ def run_managed(spec: WorkerSpec) -> None:
                     save()
                 if rank == 0:
                     mark_preempted(last_ckpt)
-                    heartbeat.submit(Heartbeat(step=step, loss=mean_loss, last_complete_checkpoint=last_ckpt))
+                    heartbeat.beat()
                 _leave_group()
                 exit_preempted()
         if ckpt_dir is not None and saved_at != engine.global_steps:
             save()
         if rank == 0:
-            heartbeat.submit(Heartbeat(step=engine.global_steps, last_complete_checkpoint=last_ckpt))
+            heartbeat.beat()
         _log(rank, f"done at step {engine.global_steps}" + (f", checkpoint {last_ckpt}" if last_ckpt else ""))
         _leave_group()
     finally:
         watcher.uninstall()
-        heartbeat.close()
+        reporter.close()
         sys.stdout.flush()

@@ -52,6 +52,7 @@ def get_settings(request: Request) -> Settings:
 def get_session(request: Request) -> Iterator[Session]:
     with request.app.state.sessions() as session:
         yield session
+    request.app.state.outage.recovered()  # reached only when the request's database work succeeded
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

@@ -27,7 +27,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", summary="Liveness")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:  # on the event loop: answers while the thread pool is saturated
     return {"status": "ok"}
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio.to_thread
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from pydantic import Field
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
@@ -26,7 +28,7 @@ from deepfleet.controller.api.deps import (
     project_job,
     require,
 )
-from deepfleet.controller.api.logs import follow, tail_bytes
+from deepfleet.controller.api.logs import LogReader, LogUnavailable, follow, tail_bytes
 from deepfleet.controller.api.schemas import (
     ErrorBody,
     EventList,
@@ -37,13 +39,19 @@ from deepfleet.controller.api.schemas import (
     MetricPoint,
     Metrics,
 )
+from deepfleet.controller.bounds import MAX_DEPTH, DocumentTooLarge, check_document, short_errors
 from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
-from deepfleet.controller.spec import JobSpec, SpecError, parse_job_yaml, validate_job
+from deepfleet.controller.policy import submit_errors
+from deepfleet.controller.spec import DNS_LABEL, JobSpec, SpecError, parse_job_yaml, validate_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 YAML_TYPES = {"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"}
+MAX_LABEL_FILTERS = 16
+LABEL_HELP = "key=value; repeat to require several (at most 16)."
+# A label key (253 + "/" + 63 at most) "=" a value (63 at most).
+LabelFilter = Annotated[str, Field(pattern=r"^[^=]+=.*$", max_length=317)]
 PhaseParam = Literal[JOB_PHASES]  # type: ignore[valid-type]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -75,14 +83,19 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
         if media == "application/json":
             try:
                 document = json.loads(text)
+                check_document(document)
             except json.JSONDecodeError as e:
                 raise SpecError([f"(document): malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}; "
                                  "fix the syntax"]) from None
-            return validate_job(document)
+            except RecursionError:
+                raise SpecError([f"(document): more than {MAX_DEPTH} levels of nesting; shorten it"]) from None
+            except DocumentTooLarge as e:
+                raise SpecError([str(e)]) from None
+            return validate_job(document, read_files=False)
         if media in YAML_TYPES or media == "":
-            return parse_job_yaml(text)
+            return parse_job_yaml(text, read_files=False)
     except SpecError as e:
-        raise ApiError(422, "invalid job spec", errors=e.errors) from None
+        raise ApiError(422, "invalid job spec", errors=short_errors(e.errors)) from None
     raise ApiError(415, f"unsupported content type {media!r}; send application/yaml or application/json")
 
 
@@ -95,11 +108,16 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
 async def submit_job(request: Request, principal: PrincipalDep, session: SessionDep, settings: SettingsDep) -> JobDetail:
     require(principal, "member", "submit jobs")
     body = await request.body()
-    spec = await run_in_threadpool(_parse_body, body, request.headers.get("content-type", ""))
+    spec = await anyio.to_thread.run_sync(_parse_body, body, request.headers.get("content-type", ""),
+                                          limiter=getattr(request.app.state, "parse_limiter", None))
     if spec.metadata.project != principal.project:
         raise ApiError(403, "token project mismatch", errors=[
             f"metadata.project: this token belongs to project {principal.project!r}, not "
             f"{spec.metadata.project!r}; submit with a token of that project or change metadata.project"])
+    refused = submit_errors(spec, policy=request.app.state.policies.for_project(spec.metadata.project),
+                            default_namespace=settings.k8s_namespace, factory_modules=tuple(settings.factory_modules))
+    if refused:
+        raise ApiError(422, "job not allowed for this project", errors=refused)
 
     def create() -> JobDetail:
         try:
@@ -133,6 +151,9 @@ def _labels(label: list[str]) -> dict[str, str]:
     out = {}
     for i, item in enumerate(label):
         key, sep, value = item.partition("=")
+        if len(item) > 317:  # a label key (253 + "/" + 63 at most) "=" a value (63)
+            raise ApiError(422, "invalid label filter", errors=[f"query.label[{i}]: longer than any label; "
+                                                                "shorten it"])
         if not sep or not key:
             raise ApiError(422, "invalid label filter", errors=[f"query.label[{i}]: {item!r} is not key=value; "
                                                                 "write it like team=nlp"])
@@ -144,13 +165,15 @@ def _labels(label: list[str]) -> dict[str, str]:
 def list_jobs(
     principal: PrincipalDep,
     session: SessionDep,
-    project: Annotated[str | None, Query(description="Only this project (must be the token's own).")] = None,
+    project: Annotated[str | None, Query(max_length=63, pattern=DNS_LABEL,
+                                         description="Only this project (must be the token's own).")] = None,
     phase: Annotated[PhaseParam | None, Query(description="Only jobs in this phase.")] = None,
-    queue: Annotated[str | None, Query(max_length=63)] = None,
-    name: Annotated[str | None, Query(max_length=63)] = None,
-    label: Annotated[list[str], Query(description="key=value; repeat to require several.")] = [],  # noqa: B006
+    queue: Annotated[str | None, Query(max_length=63, pattern=DNS_LABEL)] = None,
+    name: Annotated[str | None, Query(max_length=63, pattern=DNS_LABEL)] = None,
+    label: Annotated[list[LabelFilter], Query(max_length=MAX_LABEL_FILTERS, description=LABEL_HELP)] = [],  # noqa: B006
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page.")] = None,
+    cursor: Annotated[str | None, Query(max_length=512, pattern=r"^[A-Za-z0-9_-]+$",
+                                        description="next_cursor of the previous page.")] = None,
 ) -> JobList:
     if project is not None and project != principal.project:
         return JobList(items=[], total=0, next_cursor=None)  # another project's jobs are invisible
@@ -206,16 +229,24 @@ def job_metrics(
     return Metrics(job_id=job.id, points=[MetricPoint.of(r) for r in reversed(rows)])
 
 
-def _log_path(request: Request, session: Any, job: Job, *, attempt: int | None, node: int) -> Path:
+def _run(session: Any, job: Job, *, attempt: int | None) -> Attempt:
     number = job.current_attempt if attempt is None else attempt
     run = session.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == number)).one_or_none()
     if run is None:
         raise ApiError(404, f"job {job.id} has no attempt {number} yet; no logs to show")
-    return request.app.state.log_locator(run.run_name, node)
+    return run
+
+
+# The log route answers text/plain; its errors are JSON like every other route's.
+JSON_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": spec["description"],
+           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for code, spec in {**ERRORS, 422: {"description": "Invalid query parameters."}}.items()
+}
 
 
 @router.get(
-    "/{job_id}/logs", response_class=PlainTextResponse, responses=ERRORS,
+    "/{job_id}/logs", response_class=PlainTextResponse, responses=JSON_ERRORS,
     summary="A job's log (one node of one attempt); tail it or follow it",
 )
 def job_logs(
@@ -226,7 +257,11 @@ def job_logs(
     follow_: Annotated[bool, Query(alias="follow", description="Keep streaming until the job finishes.")] = False,
 ) -> StreamingResponse:
     job = project_job(session, principal, job_id)
-    path = _log_path(request, session, job, attempt=attempt, node=node)
+    run = _run(session, job, attempt=attempt)
+    reader: LogReader | None = request.app.state.log_reader
+    if reader is not None:
+        return _from_backend(reader, run, node=node, tail=tail, follow=follow_, max_bytes=settings.log_max_bytes)
+    path = request.app.state.log_locator(run.run_name, node)
     head, offset = (b"", 0)
     if path.exists():
         head, offset = tail_bytes(path, lines=tail, max_bytes=settings.log_max_bytes)
@@ -247,6 +282,35 @@ def job_logs(
             if await request.is_disconnected():
                 return
             yield chunk
+
+    return StreamingResponse(stream(), media_type="text/plain; charset=utf-8")
+
+
+def _from_backend(reader: LogReader, run: Attempt, *, node: int, tail: int | None, follow: bool,
+                  max_bytes: int) -> StreamingResponse:
+    """The log as the run's backend serves it (`Backend.logs()` behind the reader). Runs in the
+    threadpool: the backends' clients block."""
+    lines = reader(run.backend, run.run_name, node=node, tail=tail, follow=follow)
+    try:
+        first = next(lines, "")  # the run's "no such log" surfaces here, while a 404 can still be sent
+    except LogUnavailable as e:
+        raise ApiError(404, str(e)) from None
+    if not follow:
+        body, size = [first], len(first)
+        for line in lines:
+            body.append(line)
+            size += len(line)
+            while size > max_bytes and len(body) > 1:  # keep the newest lines within the limit
+                size -= len(body.pop(0))
+        return PlainTextResponse("".join(body)[-max_bytes:])
+
+    def stream() -> Iterator[bytes]:
+        yield first.encode()
+        try:
+            for line in lines:
+                yield line.encode()
+        except LogUnavailable as e:  # the run went away mid-stream: say so as the last line
+            yield f"(log ended: {e})\n".encode()
 
     return StreamingResponse(stream(), media_type="text/plain; charset=utf-8")
 

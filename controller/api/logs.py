@@ -1,20 +1,36 @@
-"""Reading job logs for GET /v1/jobs/{id}/logs: where a run's log is, its tail, and following it.
+"""Reading job logs for GET /v1/jobs/{id}/logs: the seam to the backends, and the file fallback.
 
-Called by the jobs router. Backends write one file per node, `<logs_dir>/<run name>/node-<i>.log`
-(the local backend does; others may mirror their logs there). Where the file is comes from a
-`LogLocator` given to `create_app`, so a backend with another layout plugs in its own function.
-The tail is read backwards in blocks, so a large log costs only what is returned.
+Called by the jobs router. The served controller (`controller/server.py`) gives `create_app` a
+`LogReader`: a function over the reconciler's own backend objects that calls `Backend.logs()` (local
+files, Kubernetes pod logs, Azure ML job logs). The API never imports a backend (an import-linter
+contract); it only knows this callable and `LogUnavailable`, which the reader raises in place of the
+backends' own errors. A bare API app (tests, an API-only replica) has no reader and reads the local
+layout, `<logs_dir>/<run name>/node-<i>.log`, through a `LogLocator`; that tail is read backwards in
+blocks, so a large log costs only what is returned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 LogLocator = Callable[[str, int], Path]
 """(run name, node index) -> path of that node's log file."""
+
+
+class LogUnavailable(LookupError):
+    """The run has no such log (yet), or its backend is not served here; the message says which."""
+
+
+class LogReader(Protocol):
+    """Lines of one node's log of one run on `backend` (the last `tail` if set); with `follow`, keep
+    yielding until the run ends. Raises `LogUnavailable`, possibly on the first iteration."""
+
+    def __call__(self, backend: str, run_name: str, *, node: int, tail: int | None,
+                 follow: bool) -> Iterator[str]: ...
 
 BLOCK = 64 * 1024
 

@@ -66,6 +66,10 @@ class JobSummary(_Out):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    step: int | None
+    """Optimizer steps completed, from the newest heartbeat (null: none yet)."""
+    max_steps: int | None
+    """The job's step budget (`spec.maxSteps`), when set: with `step`, the progress."""
 
     @classmethod
     def of(cls, job: Job) -> JobSummary:
@@ -77,12 +81,13 @@ def _summary_fields(job: Job) -> dict[str, Any]:
                 priority=job.priority, phase=job.phase, message=job.message or "",
                 desired_state=job.desired_state, attempt=job.current_attempt, world_size=job.world_size,
                 labels={label.key: label.value for label in job.labels}, created_at=job.created_at,
-                updated_at=job.updated_at, finished_at=job.finished_at)
+                updated_at=job.updated_at, finished_at=job.finished_at,
+                step=(job.last_heartbeat or {}).get("step"), max_steps=(job.spec or {}).get("spec", {}).get("maxSteps"))
 
 
 class JobDetail(JobSummary):
     spec: dict[str, Any]
-    """The JobSpec document as submitted (immutable)."""
+    """The JobSpec document as submitted (immutable), with `spec.env` values hidden."""
     spec_version: str
     gpus: int
     restart_counts: dict[str, int]
@@ -93,9 +98,21 @@ class JobDetail(JobSummary):
 
     @classmethod
     def of(cls, job: Job) -> JobDetail:  # type: ignore[override]
-        return cls(**_summary_fields(job), spec=job.spec, spec_version=job.spec_version, gpus=job.gpus,
+        return cls(**_summary_fields(job), spec=_hide_env(job.spec), spec_version=job.spec_version, gpus=job.gpus,
                    restart_counts=dict(job.restart_counts or {}), last_heartbeat=job.last_heartbeat,
                    last_heartbeat_at=job.last_heartbeat_at, attempts=[AttemptOut.of(a) for a in job.attempts])
+
+
+HIDDEN = "(hidden)"
+
+
+def _hide_env(document: dict[str, Any]) -> dict[str, Any]:
+    """The spec with every `spec.env` value replaced: env carries credentials, and readers of a job
+    (viewers, the web page, logs of API clients) must not see them."""
+    env = (document.get("spec") or {}).get("env")
+    if not env:
+        return document
+    return {**document, "spec": {**document["spec"], "env": {k: HIDDEN for k in env}}}
 
 
 class JobList(_Out):

@@ -2,7 +2,7 @@
 
 Mounted by `create_app`. A worker authenticates with its job token (`DEEPFLEET_TOKEN`, valid for
 that one job, see `controller.tokens`); a member or admin API token of the job's project also works
-(for tools replaying metrics). The answer tells the worker whether the job should keep running.
+(for tools replaying metrics). A job token expires when its job reaches a terminal phase. The answer tells the worker whether the job should keep running.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from deepfleet.controller.api.deps import (
 from deepfleet.controller.api.schemas import ErrorBody, HeartbeatAck
 from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db.auth import find_api_token
-from deepfleet.controller.db.models import Job
+from deepfleet.controller.db.models import TERMINAL_PHASES, Job
 from deepfleet.controller.tokens import JOB_PREFIX, verify_job_token
 from deepfleet.worker.spec import FailureReport, Heartbeat
 
@@ -40,6 +40,8 @@ def _worker_job(session: SessionDep, settings: SettingsDep, credentials: Credent
         if not verify_job_token(settings.secret.get_secret_value(), job_id, token):
             raise unauthorized("this job token is not valid for this job; use the DEEPFLEET_TOKEN given to it")
         job = session.get(Job, job_id)
+        if job is not None and job.phase in TERMINAL_PHASES:
+            raise unauthorized(f"job {job_id} has finished ({job.phase}); its job token has expired")
     else:
         row = find_api_token(session, token)
         if row is None:

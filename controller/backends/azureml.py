@@ -21,14 +21,19 @@ Completed -> SUCCEEDED; Failed, Canceled -> FAILED. Azure reports no per-node ex
 API; a status message of the form "... exited with status code N" is classified with `classify_exit`,
 otherwise the class is UNKNOWN.
 
-Logs: the job API has no log-tail call (`jobs.stream` prints to stdout until the job ends, `jobs.download`
-needs storage credentials), so `logs` raises a BackendError pointing at the run's studio URL.
+Logs: node N's log is the run's `user_logs/std_log_process_N.txt` (one process per instance, as above).
+The SDK's public `jobs.stream` prints every log to stdout until the job ends, so `logs` takes the same
+path through the SDK's own pieces instead: the run-history client of `ml_client.jobs` lists the run's
+log files (`get_run_details(...).log_files`, SAS URLs) and `download_text_from_url` reads one, through
+the client's own HTTP pipeline (credential, retries, transport). Following re-reads the file every
+`log_poll_s` and yields what is new until the run is over.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -176,8 +181,9 @@ class AzureMLBackend:
 
     name = "azureml"
 
-    def __init__(self, ml_client: MLClient) -> None:
+    def __init__(self, ml_client: MLClient, *, log_poll_s: float = 5.0) -> None:
         self.ml_client = ml_client
+        self.log_poll_s = log_poll_s
 
     def _get(self, name: str) -> Any | None:
         try:
@@ -224,12 +230,35 @@ class AzureMLBackend:
             raise translate(e, f"cancel job {name}") from e
 
     def logs(self, name: str, *, node: int = 0, tail: int | None = None, follow: bool = False) -> Iterator[str]:
-        job = self._get(name)
-        if job is None:
+        if self._get(name) is None:
             raise BackendError(f"azureml: no job {name}", transient=False)
-        raise BackendError(f"azureml: job logs are not readable through the job API; open {job.studio_url} "
-                           f"(Outputs + logs, node {node}) or run `az ml job download --name {name} --all`",
-                           transient=False)
+        sent = None  # lines of the file already yielded (None: nothing read yet)
+        while True:
+            status, text = self._log_text(name, node)
+            if text is None and (not follow or PHASES.get(status) in (RunPhase.SUCCEEDED, RunPhase.FAILED)):
+                raise BackendError(f"azureml: job {name} has no log for node {node} (yet); its status is {status}",
+                                   transient=False)
+            lines = (text or "").splitlines(keepends=True)
+            if sent is None:
+                sent = max(0, len(lines) - tail) if tail is not None else 0
+            yield from lines[sent:]
+            sent = max(sent, len(lines))
+            if not follow or PHASES.get(status) in (RunPhase.SUCCEEDED, RunPhase.FAILED):
+                return
+            time.sleep(self.log_poll_s)
+
+    def _log_text(self, name: str, node: int) -> tuple[str, str | None]:
+        """(run status, node's log text or None when the run has no such file yet)."""
+        from azure.ai.ml._utils.utils import download_text_from_url
+
+        wanted = re.compile(rf"^user_logs/std_log_process_0*{node}\.txt$")
+        try:
+            details = self.ml_client.jobs._runs_operations.get_run_details(name)
+            url = next((u for key, u in sorted((details.log_files or {}).items()) if wanted.match(key)), None)
+            text = download_text_from_url(url, self.ml_client.jobs._requests_pipeline) if url else None
+        except (AzureError, MlException) as e:
+            raise translate(e, f"read log of {name}") from e
+        return str(details.status), text
 
 
 def _status(job: Any) -> str:

@@ -1,11 +1,22 @@
 """The local backend: every node of a run is a `deepfleet-worker` subprocess on this machine.
 
 Called by `controller.reconciler` through the `Backend` protocol (and by `controller.demo` through the
-server). Each node runs in its own process group (`start_new_session`) under a one-line `sh` wrapper
-that writes the node's exit status to `node-<i>.exit` when it ends, so the status survives the
+server). Each node runs in its own session (`start_new_session`) under a one-line `sh` wrapper that
+writes the node's exit status to `node-<i>.exit` when it ends, so the status survives the
 controller: a restarted controller reads it from disk instead of needing to be the parent. A run's
-directory `<logs_dir>/<name>/` holds `state.json` (pids, rendezvous port), `node-<i>.log` and
-`node-<i>.exit`. The nodes meet at a real c10d rendezvous store on 127.0.0.1 and a free port.
+directory `<logs_dir>/<name>/` (the controller's own) holds `state.json` (pids, rendezvous port) and
+`node-<i>.log`. The nodes meet at a real c10d rendezvous store on 127.0.0.1 and a free port.
+
+This backend runs user code on the controller's host. What keeps a job to itself (see
+`controller.confine` and docs/security.md):
+- a clean environment: only the worker contract (`DEEPFLEET_WORKER_SPEC`, the job-scoped token, the
+  rendezvous variables), the job's own `env` (inside the WorkerSpec) and `PATH`/`LANG`-style
+  variables listed in `env_passthrough`; nothing of the controller's own environment (database URL,
+  admin token, signing key) reaches it;
+- its own session, and, when the controller runs as root, an unprivileged user (`run_as`);
+- a job area `<jobs_dir>/<project>/<job id>/` made for it: `work/` (working directory, HOME, TMPDIR),
+  `checkpoints/` (where `checkpoint.dir` resolves) and `status/` (the exit files); the script path
+  resolves inside the project's code directory, symlinks included.
 
 Cancel sends SIGTERM to every node's process group and to every process whose environment carries
 `DEEPFLEET_LOCAL_RUN=<name>` (torchrun's elastic agent starts its training processes in new
@@ -24,16 +35,28 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from deepfleet.controller.backends.base import BackendError, Observation, RunPhase, Submission
-from deepfleet.worker.spec import SPEC_ENV, FailureClass, classify_exit
+from deepfleet.controller.confine import (
+    ConfineError,
+    JobArea,
+    code_dir_for,
+    copy_resume_checkpoint,
+    job_area,
+    job_area_path,
+    resolve_inside,
+    user_ids,
+)
+from deepfleet.worker.spec import FACTORY_MODULES_ENV, SPEC_ENV, FailureClass, classify_exit
 
 RUN_ENV = "DEEPFLEET_LOCAL_RUN"
 # Runs the worker, then records its exit status (128+N for a signal, as the shell reports it).
 _WRAPPER = 'rc=0; "$@" || rc=$?; printf "%s" "$rc" > "$DF_EXIT_FILE.tmp"; mv "$DF_EXIT_FILE.tmp" "$DF_EXIT_FILE"; exit $rc'
 _SIGKILLED = 128 + signal.SIGKILL
+# The controller's variables a Python process needs to start; nothing else of its environment passes.
+DEFAULT_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS")
 
 
 def default_worker_command() -> list[str]:
@@ -76,6 +99,21 @@ def _marked(name: str) -> list[int]:
     return pids
 
 
+def _read_exit(path: Path) -> tuple[int, float] | None:
+    """(exit status, mtime) from a node's exit file, or None while there is none. The file lives where
+    the job can write, so it is opened without following links and read as at most a few digits."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _SIGKILLED, 0.0  # a link or something else planted there: count the node as lost
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(8).strip()
+        mtime = os.fstat(f.fileno()).st_mtime
+    return (int(text) if text.isdigit() and int(text) < 256 else _SIGKILLED), mtime
+
+
 class LocalBackend:
     """Runs jobs as local processes. `slots`: how many training processes may run at once (capacity)."""
 
@@ -86,15 +124,30 @@ class LocalBackend:
         logs_dir: Path,
         *,
         slots: int = 4,
-        workdir: Path | None = None,
+        workdir: Path | str | None = None,
+        jobs_dir: Path | None = None,
+        run_as: str | int | None = None,
+        project_users: Mapping[str, str] | None = None,
+        env_passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH,
+        factory_modules: tuple[str, ...] = (),
         worker_command: list[str] | None = None,
         cancel_grace_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """`workdir`: the code directory scripts and factories resolve in (`{project}` in it names the
+        project's own); `jobs_dir`: where job areas live (default `<logs_dir>/../jobs`); `run_as`: the user
+        (name or uid) that runs jobs, None for the controller's own; `project_users`: a user per project instead
+        of `run_as` (jobs of different projects then cannot see each other's processes or files); `factory_modules`: module prefixes a
+        factory may also name besides the code directory's own modules (admin allow-list)."""
         self.logs_dir = Path(logs_dir)
         self.slots = slots
-        self.workdir = Path(workdir) if workdir else Path.cwd()
+        self.workdir = str(workdir) if workdir else str(Path.cwd())
+        self.jobs_dir = Path(jobs_dir) if jobs_dir else self.logs_dir.parent / "jobs"
+        self.run_as = run_as
+        self.project_users = dict(project_users or {})
+        self.env_passthrough = tuple(env_passthrough)
+        self.factory_modules = tuple(factory_modules)
         self.worker_command = worker_command or default_worker_command()
         self.cancel_grace_s = cancel_grace_s
         self._clock = clock
@@ -103,6 +156,10 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ paths and state
     def run_dir(self, name: str) -> Path:
+        if not self.logs_dir.is_dir():
+            self.logs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.logs_dir.stat().st_mode & 0o077:
+            os.chmod(self.logs_dir, 0o700)  # jobs must not list or read other runs' logs and state
         return self.logs_dir / name
 
     def log_path(self, name: str, node: int) -> Path:
@@ -134,19 +191,27 @@ class LocalBackend:
             self._kill(sub.name, state)
             for log in self.run_dir(sub.name).glob("node-*.log"):
                 os.replace(log, log.with_name(log.name + ".interrupted"))
+        project = sub.spec.metadata.project
+        try:
+            owner = self._owner(project)
+            area = job_area(self.jobs_dir, project=project, job_id=sub.job_id, owner=owner)
+            ws = self._confined_spec(sub, area, owner=owner)
+        except ConfineError as e:
+            raise BackendError(f"local run {sub.name}: {e}", transient=False) from e
         nodes = sub.worker_spec.nodes.max
         port = free_port()
-        ws = sub.worker_spec.model_copy(
-            update={"rendezvous": sub.worker_spec.rendezvous.model_copy(update={"endpoint": f"127.0.0.1:{port}"})}
-        )
+        ws = ws.model_copy(update={"rendezvous": ws.rendezvous.model_copy(update={"endpoint": f"127.0.0.1:{port}"})})
         run = self.run_dir(sub.name)
-        run.mkdir(parents=True, exist_ok=True)
-        for stale in run.glob("node-*.exit"):
+        run.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for stale in area.status.glob(f"{sub.name}.node-*.exit"):
             stale.unlink()
         state = {"name": sub.name, "job_id": sub.job_id, "attempt": sub.attempt, "nodes": nodes,
-                 "min_nodes": sub.worker_spec.nodes.min, "port": port, "pids": [], "complete": False}
+                 "min_nodes": sub.worker_spec.nodes.min, "port": port, "pids": [], "complete": False,
+                 "status_dir": str(area.status)}
         self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
-        base = {**os.environ, **sub.env, SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)), RUN_ENV: sub.name}
+        base = {**self._passthrough(), **sub.env, **self._area_env(area),
+                SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)), RUN_ENV: sub.name}
+        user = {"user": owner[0], "group": owner[1], "extra_groups": []} if owner else {}
         try:
             for node in range(nodes):
                 env = {
@@ -155,17 +220,19 @@ class LocalBackend:
                     "DEEPFLEET_NNODES": str(nodes),
                     "DEEPFLEET_MASTER_ADDR": "127.0.0.1",
                     "DEEPFLEET_MASTER_PORT": str(port),
-                    "DF_EXIT_FILE": str(run / f"node-{node}.exit"),
+                    "DF_EXIT_FILE": str(self._exit_file(state, node)),
                 }
-                with open(self.log_path(sub.name, node), "ab") as log:
+                fd = os.open(self.log_path(sub.name, node), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                with os.fdopen(fd, "ab") as log:
                     proc = subprocess.Popen(
                         ["/bin/sh", "-c", _WRAPPER, "sh", *self.worker_command],
                         env=env,
-                        cwd=self.workdir,
+                        cwd=area.work,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        start_new_session=True,  # own process group: cancel is one killpg per node
+                        start_new_session=True,  # own session: cancel is one killpg per node
+                        **user,
                     )
                 self._children[proc.pid] = proc
                 state["pids"].append(proc.pid)
@@ -188,19 +255,18 @@ class LocalBackend:
             # Submits run to completion within one reconciler call, and the job's claim keeps other
             # replicas away meanwhile; an incomplete state seen here is a start a crash cut short.
             return Observation(RunPhase.NOT_FOUND, message=f"start of {name} was interrupted; resubmit it")
-        run = self.run_dir(name)
         codes: dict[int, int] = {}
         failed_at: dict[int, float] = {}
         for node, pid in enumerate(state["pids"]):
             self._reap(pid)
-            exit_file = run / f"node-{node}.exit"
-            if exit_file.exists():
+            recorded = _read_exit(self._exit_file(state, node))
+            if recorded is not None:
                 self._reap(pid, wait_s=2.0)  # the wrapper exits right after writing the file
-                codes[node] = int(exit_file.read_text().strip() or _SIGKILLED)
-                failed_at[node] = exit_file.stat().st_mtime
+                codes[node], failed_at[node] = recorded
             elif not _alive(pid):
-                codes[node] = _SIGKILLED  # the wrapper itself was killed before it could record
-                failed_at[node] = 0.0
+                # Read again: the wrapper may have recorded and exited between the read and the check.
+                # Without a record it was killed itself before it could write one.
+                codes[node], failed_at[node] = _read_exit(self._exit_file(state, node)) or (_SIGKILLED, 0.0)
         bad = {n: c for n, c in codes.items() if c != 0}
         remaining = state["nodes"] - len(bad)  # nodes still running or finished cleanly
         if bad:
@@ -249,6 +315,46 @@ class LocalBackend:
                     yield from f.readlines()
                     return
                 self._sleep(0.2)
+
+    # ------------------------------------------------------------------ confinement
+    def _confined_spec(self, sub: Submission, area: JobArea, *, owner: tuple[int, int] | None):
+        """The WorkerSpec with the script and checkpoint paths resolved inside the code directory and the
+        job area. Raises ConfineError when a path escapes them."""
+        ws = sub.worker_spec
+        code = code_dir_for(self.workdir, project=sub.spec.metadata.project)
+        update: dict = {}
+        entry = ws.entrypoint
+        if hasattr(entry, "script"):
+            script = resolve_inside(code, entry.script, field="spec.entrypoint.script")
+            update["entrypoint"] = entry.model_copy(update={"script": str(script)})
+        if ws.checkpoint is not None:
+            ckpt = resolve_inside(area.checkpoints, ws.checkpoint.dir, field="spec.checkpoint.dir")
+            update["checkpoint"] = ws.checkpoint.model_copy(update={"dir": str(ckpt)})
+            source = sub.spec.spec.checkpoint.resume_from if sub.spec.spec.checkpoint else None
+            if source and not (ckpt / "latest").exists():
+                src = job_area_path(self.jobs_dir, project=area.project, job_id=source)
+                if copy_resume_checkpoint(src, into=ckpt) is not None and owner is not None:
+                    for path in [ckpt, *ckpt.rglob("*")]:
+                        os.chown(path, *owner, follow_symlinks=False)
+        return ws.model_copy(update=update) if update else ws
+
+    def _area_env(self, area: JobArea) -> dict[str, str]:
+        code = code_dir_for(self.workdir, project=area.project)
+        env = {"HOME": str(area.work), "TMPDIR": str(area.tmp), "PYTHONPATH": str(code)}
+        if self.factory_modules:
+            env[FACTORY_MODULES_ENV] = ",".join(self.factory_modules)
+        return env
+
+    def _passthrough(self) -> dict[str, str]:
+        return {k: os.environ[k] for k in self.env_passthrough if k in os.environ}
+
+    def _owner(self, project: str) -> tuple[int, int] | None:
+        """(uid, gid) the project's jobs run as, or None for the controller's own user."""
+        user = self.project_users.get(project, self.run_as)
+        return None if user is None else user_ids(user)
+
+    def _exit_file(self, state: dict, node: int) -> Path:
+        return Path(state["status_dir"]) / f"{state['name']}.node-{node}.exit"
 
     # ------------------------------------------------------------------ helpers
     def _tail(self, name: str, node: int, n: int | None) -> list[str]:

@@ -44,7 +44,9 @@ def find_api_token(session: Session, token: str, *, now: datetime | None = None)
 
 
 def ensure_bootstrap_token(session: Session, token: str, *, project: str) -> ApiToken:
-    """Make `token` (from settings) a valid admin token of `project`; idempotent. Raises ValueError."""
+    """Make `token` (from settings) a valid admin token of `project`; idempotent. Raises ValueError.
+
+    A bootstrap token revoked through the API stays revoked across restarts: replace it in settings."""
     parts = split_api_token(token)
     if parts is None:
         raise ValueError("DEEPFLEET_ADMIN_TOKEN: not a deepfleet token; use dft_<12 hex>_<secret of 20+ chars>")
@@ -55,8 +57,7 @@ def ensure_bootstrap_token(session: Session, token: str, *, project: str) -> Api
         row = ApiToken(id=token_id, name="bootstrap admin", project=project, role="admin",
                        secret_hash=hash_secret(secret), created_by="settings", created_at=utcnow())
         session.add(row)
-    else:
-        row.secret_hash, row.project, row.role, row.revoked_at, row.expires_at = (
-            hash_secret(secret), project, "admin", None, None)
+    elif row.revoked_at is None:
+        row.secret_hash, row.project, row.role, row.expires_at = hash_secret(secret), project, "admin", None
     session.flush()
     return row

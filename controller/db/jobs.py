@@ -75,6 +75,12 @@ def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[st
     if session.get(Queue, s.queue) is None:
         known = session.scalars(select(Queue.name).order_by(Queue.name)).all()
         errors.append(f"spec.queue: queue {s.queue!r} does not exist; use one of {', '.join(known)}")
+    source = s.checkpoint.resume_from if s.checkpoint is not None else None
+    if source is not None:
+        found = session.get(Job, source)
+        if found is None or found.project != spec.metadata.project:
+            errors.append(f"spec.checkpoint.resumeFrom: no job {source!r} in project {spec.metadata.project!r}; "
+                          "name a job of this project")
     if errors:
         raise UnknownReference(errors)
     ensure_project(session, spec.metadata.project)

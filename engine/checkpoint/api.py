@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from deepfleet.engine import comm
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.io import StepReader, StepWriter
 from deepfleet.engine.checkpoint.layout import CheckpointError
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # One writer per engine (it owns a process group and the in-flight async save); dropped with the engine.
 _WRITERS: weakref.WeakKeyDictionary[Any, StepWriter] = weakref.WeakKeyDictionary()
 
-_OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader")
+_OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader", "compression")
 
 
 def writer_for(engine: Any) -> StepWriter:
@@ -89,7 +89,8 @@ def save_checkpoint(
         obj = getattr(engine, name, None)
         if obj is not None and hasattr(obj, "state_dict"):
             shared[name] = obj.state_dict()
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = comm.get_world_size()
+    parallel = getattr(engine, "parallel", None)
     writer.save(
         Path(save_dir) / tag,
         tensors=engine.sharding.state_dict(),
@@ -99,6 +100,7 @@ def save_checkpoint(
             "global_steps": int(engine.global_steps),
             "micro_steps": int(engine.micro_steps),
             "world_size": world,
+            "degrees": parallel.degrees() if parallel is not None else None,
             "zero_stage": _zero_stage(engine),
             "config_hash": config_hash(getattr(engine, "config", None)),
             "deepfleet_version": _version("deepfleet"),
@@ -167,7 +169,12 @@ def load_checkpoint(
         if hasattr(engine, "global_samples"):
             engine.global_samples = int(shared.get("global_samples", 0))
         _restore_rank_rng(reader, rank=_rank())
-    log.info("loaded checkpoint %s (saved at world size %d)", step_dir, reader.manifest.world_size)
+    saved = reader.manifest.degrees or {}
+    log.info(
+        "loaded checkpoint %s (saved at world size %d, data-parallel size %s)",
+        step_dir, reader.manifest.world_size,
+        saved.get("dp_replicate", 1) * saved["dp_shard"] if "dp_shard" in saved else "unrecorded",
+    )
     return str(step_dir), shared.get("client_state", {})
 
 
@@ -222,7 +229,7 @@ def _restore_rank_rng(reader: StepReader, *, rank: int) -> None:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return comm.get_rank()
 
 
 def _zero_stage(engine: Any) -> int | None:

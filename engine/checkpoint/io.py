@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from deepfleet.engine import comm
 from deepfleet.engine.checkpoint import layout
 from deepfleet.engine.checkpoint.layout import CheckpointError
 from deepfleet.engine.checkpoint.manifest import (
@@ -52,11 +52,11 @@ _RANK0_FILES = (".metadata", ENGINE_STATE)
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return comm.get_rank()
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return comm.get_world_size()
 
 
 def flat_tensors(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -79,7 +79,7 @@ class StepWriter:
 
     def __init__(self) -> None:
         self.group = (
-            dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30)) if dist.is_initialized() else None
+            comm.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30)) if comm.is_initialized() else None
         )
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
@@ -145,7 +145,7 @@ class StepWriter:
 
     def _barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            comm.barrier(group=self.group)
 
 
 def _finish_after(written: Any, finish: Callable[[], None]) -> None:
@@ -178,7 +178,7 @@ class _Finisher:
         hashes = {name: sha256_file(self.step_dir / name) for name in mine}
         gathered: list[Any] = [None] * world if rank == 0 else []
         if self.group is not None:
-            dist.gather_object(hashes, gathered if rank == 0 else None, dst=0, group=self.group)
+            comm.gather_object(hashes, gathered if rank == 0 else None, dst=0, group=self.group)
         else:
             gathered = [hashes]
         error = None
@@ -189,7 +189,7 @@ class _Finisher:
                 error = f"{type(e).__name__}: {e}"
         if self.group is not None:
             box = [error]
-            dist.broadcast_object_list(box, src=0, group=self.group)
+            comm.broadcast_object_list(box, src=0, group=self.group)
             error = box[0]
         if error is not None:
             raise CheckpointError(f"{self.step_dir}: saving failed on rank 0: {error}")
@@ -259,7 +259,7 @@ class StepReader:
         errors = [error]
         if world > 1:
             errors = [None] * world
-            dist.all_gather_object(errors, error, group=self.group)
+            comm.all_gather_object(errors, error, group=self.group)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise CheckpointError(first)

@@ -38,6 +38,10 @@ class Manifest(BaseModel):
     global_steps: int
     micro_steps: int
     world_size: int
+    degrees: dict[str, int] | None = None
+    """The parallelism degrees that wrote it (engine.parallel.degrees(): pp, dp_replicate, dp_shard, ep,
+    sp, tp, world_size); None in checkpoints written before degrees were recorded. Loads reshard to
+    any data-parallel size."""
     zero_stage: int | None
     config_hash: str | None
     deepfleet_version: str

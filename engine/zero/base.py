@@ -26,8 +26,11 @@ class ZeroStrategy(Protocol):
 
     def optimizer_param_groups(self, groups: list[dict]) -> list[dict]:
         """Given the user's param groups over the model's full parameters, return the same groups over
-        the tensors the optimizer updates: the params (stage 0), fp32 master shards (stages 1/2 and any
-        16-bit mode), DTensor shards (stage 3). Hyper-parameters are kept.
+        the tensors the optimizer updates: the params (stage 0, or their fp32 masters in 16-bit mode),
+        Shard(0) DTensors of each parameter's rows (stages 1/2: views, or fp32 master shards), FSDP2's
+        DTensor shards (stage 3). Hyper-parameters are kept. A group may carry `"process_group"`: the
+        group its gradients reduce over (default: the strategy's `process_group`); stages 1/2 shard
+        per group and drop the key from what they return.
 
         Raises ValueError if a group names a tensor that is not a parameter of the model."""
         ...

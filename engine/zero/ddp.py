@@ -2,8 +2,10 @@
 
 Built by `engine/build.py` for `zero_optimization.stage = 0`. Every rank holds full parameters,
 gradients and optimizer state; DDP all-reduces bucketed gradients during backward
-(`gradient_as_bucket_view=True`, so gradients live in the buckets, no second copy). On non-boundary
-micro-steps the engine turns sync off, which DDP reads when the forward starts (the `no_sync` flag).
+(`gradient_as_bucket_view=True`, so gradients live in the buckets, no second copy), through a comm hook
+that issues each bucket's all-reduce via `engine.comm`, so they are counted with every other collective.
+On non-boundary micro-steps the engine turns sync off, which DDP reads when the forward starts (the
+`no_sync` flag).
 
 16-bit training (bf16/fp16) keeps fp32 master weights here, as DeepSpeed does: the model runs in 16 bits,
 the optimizer updates the fp32 masters, and `after_optimizer_step` copies them back. Gradients are
@@ -21,10 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from deepfleet.engine import comm
+from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 from deepfleet.engine.zero.optim_state import (
     ensure_optimizer_state,
     fqn_optimizer_state,
@@ -34,13 +37,23 @@ from deepfleet.engine.zero.optim_state import (
 _MB = 1024 * 1024
 
 
+def _allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
+    """Average a gradient bucket (`dist.GradBucket`) through `engine.comm`, so DDP's bucket reductions
+    are counted like every other collective; `state` is (process group, world size). Returns the
+    future DDP waits on (torch's default hook does the same, uncounted)."""
+    group, world_size = state
+    buffer = bucket.buffer().div_(world_size)
+    future = comm.all_reduce(buffer, group=group, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0])
+
+
 def _fp32_allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
     """Average a 16-bit gradient bucket (`dist.GradBucket`) in fp32, then store the result back in the
     bucket's dtype; `state` is (process group, world size). Returns the future DDP waits on."""
     group, world_size = state
     buffer = bucket.buffer()
     wide = buffer.to(torch.float32).div_(world_size)
-    future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+    future = comm.all_reduce(wide, group=group, async_op=True).get_future()
     return future.then(lambda fut: buffer.copy_(fut.value()[0]))
 
 
@@ -57,7 +70,7 @@ class DDPStrategy:
     ) -> None:
         self._model = model
         self._group = process_group
-        self._world_size = dist.get_world_size(process_group)
+        self._world_size = comm.get_world_size(process_group)
         self._names = [name for name, p in model.named_parameters() if p.requires_grad]
         params = [p for p in model.parameters() if p.requires_grad]
         # fp32 masters are taken before the cast, so they hold the exact initial weights.
@@ -79,8 +92,8 @@ class DDPStrategy:
             forward_sync_buffers=False,
             bucket_cap_mb=bucket_elements * 4 / _MB,
         )
-        if compute_dtype != torch.float32:
-            self.module.register_comm_hook((process_group, self._world_size), _fp32_allreduce_hook)
+        hook = _allreduce_hook if compute_dtype == torch.float32 else _fp32_allreduce_hook
+        self.module.register_comm_hook((process_group, self._world_size), hook)
         self._optimizer: torch.optim.Optimizer | None = None
 
     def optimizer_param_groups(self, groups: list[dict]) -> list[dict]:
@@ -117,22 +130,13 @@ class DDPStrategy:
             grads.append(m.grad)
         if grads and grad_scale != 1.0:
             torch._foreach_div_(grads, grad_scale)
-        local_bad = sum(1 for g in grads if not torch.isfinite(g).all()) if grads else 0
         # Gradients are identical after the all-reduce, but agree explicitly so a rank whose
         # gradients were altered after the reduction cannot step alone.
-        flag = torch.tensor([float(local_bad)], device=self._masters[0].device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item() > 0)
+        return any_nonfinite(grads, self._group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        grads = [m.grad for m in self._masters if m.grad is not None]
-        if not grads:
-            return 0.0
-        # Every rank holds the same full gradients, so the local norm is the global norm.
-        norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
-        if max_norm > 0 and norm > max_norm:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        return norm
+        # Every rank holds the same full gradients (plain tensors): the local norm is the global norm.
+        return clip_by_global_norm_([m.grad for m in self._masters if m.grad is not None], max_norm, None)
 
     def after_optimizer_step(self) -> None:
         if self._masters is self._params:

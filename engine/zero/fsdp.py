@@ -1,7 +1,7 @@
 """ZeRO stage 3: parameters, gradients and optimizer state sharded, on FSDP2 (`fully_shard`).
 
-Built by `engine/build.py` for `zero_optimization.stage = 3`. Each child of every `nn.ModuleList` (the
-transformer blocks) becomes its own FSDP unit, then the root: a block's parameters are all-gathered just
+Built by `engine/build.py` for `zero_optimization.stage = 3`. Each transformer block (`engine/blocks.py`)
+becomes its own FSDP unit, then the root: a block's parameters are all-gathered just
 before it runs and freed after, and its gradients are reduce-scattered as backward leaves it. Parameters
 become `DTensor`s sharded on dim 0, so the optimizer steps on the local shards directly and the state
 dict from `get_state_dict` already has the layout `ZeroStrategy.state_dict()` promises.
@@ -28,7 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from deepfleet.engine.blocks import blocks
 from deepfleet.engine.zero.fsdp_collectives import RingReduceScatter
+from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -56,13 +58,13 @@ class FSDPStrategy:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        blocks = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
-        for block in blocks:
+        units = blocks(model)
+        for block in units:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if dist.get_backend(self._group) == "gloo":
             # Gloo's reduce-scatter is 3.5x slower than a ring of sends (see zero/fsdp_collectives.py).
-            for unit in [*blocks, model]:
+            for unit in [*units, model]:
                 unit.set_custom_reduce_scatter(RingReduceScatter())
         self.module = model
         self._params = dict(model.named_parameters())
@@ -98,24 +100,12 @@ class FSDPStrategy:
         grads = self._local_grads()
         if grads and grad_scale != 1.0:
             torch._foreach_div_(grads, grad_scale)
-        local_bad = sum(1 for g in grads if not torch.isfinite(g).all())
-        device = next(iter(self._params.values())).device
-        flag = torch.tensor([float(local_bad)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item() > 0)
+        return any_nonfinite(grads, self._group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        grads = self._local_grads()
-        device = next(iter(self._params.values())).device
-        square = torch.zeros((), dtype=torch.float32, device=device)
-        if grads:
-            square = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
-        # Each rank holds disjoint shards: the global square norm is the sum over ranks.
-        dist.all_reduce(square, group=self._group)
-        norm = float(square.sqrt())
-        if max_norm > 0 and norm > max_norm:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        return norm
+        # DTensor shards: their squares are summed over the mesh (one all-reduce).
+        grads = [p.grad for p in self._params.values() if p.grad is not None]
+        return clip_by_global_norm_(grads, max_norm, None)
 
     def after_optimizer_step(self) -> None:
         """Nothing to publish: the next forward all-gathers (and casts) the updated shards."""

@@ -13,7 +13,8 @@ so each rank moves `(world - 1) * n` elements each way and chunk `r` ends fully 
 The input buffer is clobbered (FSDP2 only keeps it alive, never reads it back); the only extra memory is
 one chunk to receive into. `AVG` (what FSDP2 passes for fp32/bf16 gradients) divides the sum by the world
 size; `SUM` is left as is (FSDP2 then divides itself). The sum is taken in the buffer's dtype, as gloo's
-reduce-scatter does. NCCL keeps the real collective.
+reduce-scatter does. The sends go through `engine/comm.py` (counted there as `isend`/`irecv`). NCCL keeps
+the real collective.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 # The interface class is not re-exported by `torch.distributed.fsdp` in 2.13; `set_custom_*` is public.
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from deepfleet.engine import comm
 
 _TAG = 0x5253  # keeps these sends apart from any other point-to-point traffic on the same group
 
@@ -47,13 +50,12 @@ def ring_reduce_scatter(
     with torch.no_grad():
         chunks = input.view(world, n)  # (world, n): chunk i is what rank i ends up holding
         if n and world > 1:
-            right = dist.get_global_rank(group, (rank + 1) % world)
-            left = dist.get_global_rank(group, (rank - 1) % world)
+            right, left = (rank + 1) % world, (rank - 1) % world
             incoming = torch.empty(n, dtype=input.dtype, device=input.device)
             for step in range(world - 1):
                 # Send the chunk accumulated so far; receive the left neighbour's partial sum of the next.
-                sent = dist.isend(chunks[(rank - step - 1) % world], right, group=group, tag=_TAG)
-                received = dist.irecv(incoming, left, group=group, tag=_TAG)
+                sent = comm.isend(chunks[(rank - step - 1) % world], group=group, tag=_TAG, group_dst=right)
+                received = comm.irecv(incoming, group=group, tag=_TAG, group_src=left)
                 received.wait()
                 sent.wait()
                 chunks[(rank - step - 2) % world].add_(incoming)

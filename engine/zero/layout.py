@@ -16,7 +16,8 @@ each shard padded to `c * row_numel` elements, so one `reduce_scatter_single` le
 concatenation of its own shards (its "segment"), and one `all_gather_single` of the segments rebuilds
 every full parameter. PyTorch has no such flat-buffer partitioner for replicated parameters (FSDP2 keeps
 parameters sharded at rest, `ZeroRedundancyOptimizer` partitions whole parameters and broadcasts), hence
-this module. It uses only the 2.13 collective names (`reduce_scatter_single`, `all_gather_single`).
+this module. Its collectives go through `engine/comm.py` (counted; torch 2.13's `reduce_scatter_single` and
+`all_gather_single` underneath).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from deepfleet.engine import comm
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,17 @@ class Bucket:
     `segment_numel` is one rank's share; the flat buffer holds `world_size * segment_numel` elements.
     """
 
-    def __init__(self, named: Sequence[tuple[str, torch.Tensor]], *, world_size: int, rank: int) -> None:
+    def __init__(
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        *,
+        world_size: int,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.world_size = world_size
         self.rank = rank
+        self.group = group  # the process group this bucket reduces and gathers over (None: default)
         self.params = [p for _, p in named]
         self.slots: list[Slot] = []
         offset = 0
@@ -174,13 +185,21 @@ class Bucket:
 
 
 def build_buckets(
-    named: Sequence[tuple[str, torch.Tensor]], *, bucket_numel: int, world_size: int, rank: int
+    named: Sequence[tuple[str, torch.Tensor]],
+    *,
+    bucket_numel: int,
+    world_size: int,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
 ) -> list[Bucket]:
-    """Group parameters into buckets in reverse registration order.
+    """Group parameters that reduce over one process group (`group`, of `world_size` ranks, this rank
+    being `rank` in it) into buckets, in reverse registration order. Callers build the buckets of each
+    process group separately, so a bucket never mixes groups.
 
     A bucket closes when adding the next parameter would exceed `bucket_numel` padded elements
     (a parameter larger than that gets a bucket of its own) or when the dtype changes, since one flat
-    buffer has one dtype.
+    buffer has one dtype. `bucket_numel` bounds the transient flat buffer: it is what a rank holds
+    beside its gradients while one bucket is reduced.
     """
     buckets: list[Bucket] = []
     current: list[tuple[str, torch.Tensor]] = []
@@ -189,12 +208,12 @@ def build_buckets(
         slot = make_slot(name, p.shape, offset=0, world_size=world_size, rank=rank)
         numel = world_size * slot.shard_numel
         if current and (current_numel + numel > bucket_numel or current[-1][1].dtype != p.dtype):
-            buckets.append(Bucket(current, world_size=world_size, rank=rank))
+            buckets.append(Bucket(current, world_size=world_size, rank=rank, group=group))
             current, current_numel = [], 0
         current.append((name, p))
         current_numel += numel
     if current:
-        buckets.append(Bucket(current, world_size=world_size, rank=rank))
+        buckets.append(Bucket(current, world_size=world_size, rank=rank, group=group))
     return buckets
 
 
@@ -206,18 +225,38 @@ def _gloo(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-class _SegmentOfAllReduce:
-    """A pending all-reduce of a rank-major flat buffer that, on `wait()`, copies this rank's segment out
-    (what a reduce-scatter would have left there)."""
+class Landing:
+    """A pending reduction of one bucket. `wait()` completes it and writes this rank's reduced segment
+    into its destination: copied, or added when the destination already holds earlier micro-steps'
+    sums. Until then the flat buffer (and a scratch segment, when one is needed) stay referenced here;
+    afterwards they are dropped, so the caller's last reference releases the memory."""
 
-    def __init__(self, work: dist.Work | None, flat: torch.Tensor, segment: torch.Tensor, start: int) -> None:
-        self._work, self._flat, self._segment, self._start = work, flat, segment, start
+    def __init__(
+        self,
+        work: dist.Work | None,
+        *,
+        source: torch.Tensor,
+        start: int,
+        segment: torch.Tensor,
+        accumulate: bool,
+        flat: torch.Tensor,
+    ) -> None:
+        self._work, self._source, self._start = work, source, start
+        self._segment, self._accumulate, self.flat = segment, accumulate, flat
+        self.done = False
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
+        if self.done:
+            return
         if self._work is not None:
             self._work.wait()
-        self._segment.copy_(self._flat[self._start : self._start + self._segment.numel()])
-        return True
+        reduced = self._source.narrow(0, self._start, self._segment.numel())
+        if self._accumulate:
+            self._segment.add_(reduced)
+        elif reduced.data_ptr() != self._segment.data_ptr():
+            self._segment.copy_(reduced)
+        self._work = self._source = self.flat = None
+        self.done = True
 
 
 def reduce_scatter(
@@ -225,29 +264,39 @@ def reduce_scatter(
     flat: torch.Tensor,
     segment: torch.Tensor,
     *,
-    group: dist.ProcessGroup | None,
     async_op: bool,
-) -> dist.Work | _SegmentOfAllReduce | None:
-    """SUM-reduce a packed flat buffer and leave this rank's segment in `segment` (averaging is the
-    caller's, after the reduction: gloo has no PREMUL_SUM). `flat` is clobbered. With `async_op`, the
-    segment is ready after the returned handle's `wait()`."""
+    accumulate: bool = False,
+) -> Landing:
+    """SUM-reduce a packed flat buffer over `bucket.group` and leave this rank's segment in `segment`
+    (written, or added to with `accumulate`; averaging is the caller's, after the reduction: gloo has
+    no PREMUL_SUM). `flat` is clobbered. Without `async_op` the returned landing has already landed;
+    with it, the segment is ready after its `wait()`."""
     assert flat.numel() == bucket.flat_numel and segment.numel() == bucket.segment_numel
-    if not _gloo(group):
-        return dist.reduce_scatter_single(segment, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    pending = _SegmentOfAllReduce(
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
-        flat,
-        segment,
-        bucket.rank * bucket.segment_numel,
+    group = bucket.group
+    if _gloo(group):
+        work = comm.all_reduce(flat, op=comm.ReduceOp.SUM, group=group, async_op=async_op)
+        source, start = flat, bucket.rank * bucket.segment_numel
+    else:
+        out = torch.empty_like(segment) if accumulate else segment
+        work = comm.reduce_scatter_tensor(out, flat, op=comm.ReduceOp.SUM, group=group, async_op=async_op)
+        source, start = out, 0
+    landing = Landing(
+        work if async_op else None,
+        source=source,
+        start=start,
+        segment=segment,
+        accumulate=accumulate,
+        flat=flat,
     )
-    if async_op:
-        return pending
-    pending.wait()
-    return None
+    if not async_op:
+        landing.wait()
+    return landing
 
 
-def all_gather_params(bucket: Bucket, *, group: dist.ProcessGroup | None) -> None:
-    """Rebuild every full parameter of the bucket from each rank's local rows (one all-gather)."""
+def all_gather_params(bucket: Bucket) -> None:
+    """Rebuild every full parameter of the bucket from each rank's local rows (one all-gather over
+    `bucket.group`)."""
+    group = bucket.group
     with torch.no_grad():
         dtype, device = bucket.params[0].dtype, bucket.params[0].device
         segment = torch.empty(bucket.segment_numel, dtype=dtype, device=device)
@@ -259,9 +308,9 @@ def all_gather_params(bucket: Bucket, *, group: dist.ProcessGroup | None) -> Non
             flat = torch.zeros(bucket.flat_numel, dtype=dtype, device=device)
             start = bucket.rank * bucket.segment_numel
             flat[start : start + bucket.segment_numel].copy_(segment)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            comm.all_reduce(flat, op=comm.ReduceOp.SUM, group=group)
         else:
             flat = torch.empty(bucket.flat_numel, dtype=dtype, device=device)
-            dist.all_gather_single(flat, segment, group=group)
+            comm.all_gather_into_tensor(flat, segment, group=group)
         for i, p in enumerate(bucket.params):
             bucket.unpack(flat, i, p.detach())

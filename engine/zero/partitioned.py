@@ -1,6 +1,6 @@
 """ZeRO stages 1 and 2: parameters replicated on every rank; optimizer state (stage 1) and also
-gradients (stage 2) partitioned across the data-parallel group. Built by `engine/build.py` through the
-`StrategyFactory` signature and driven by `engine/engine.py` through the `ZeroStrategy` methods.
+gradients (stage 2) partitioned across each parameter's data-parallel group. Built by `engine/build.py`
+through the `StrategyFactory` signature and driven by `engine/engine.py` through the `ZeroStrategy` methods.
 
 Why our own: PyTorch has no replicated-parameter / partitioned-gradient strategy. FSDP2 with
 `reshard_after_forward=False` still keeps parameters sharded between steps (ZeRO-3 memory, not ZeRO-2),
@@ -9,26 +9,46 @@ So these strategies are written on `torch.distributed` collectives, with the per
 layout of `zero/layout.py` (the same layout FSDP2 and `DTensor` `Shard(0)` use, so checkpoints reshard
 between world sizes and between stages 1, 2 and 3).
 
-Memory per rank, P parameters, N ranks, fp32 training (the optimizer's tensors are views of this rank's
-rows of each parameter, so no master copy): stage 1 holds 4P params + 4P full grads + 8P/N Adam state;
-stage 2 holds 4P params + 4P/N gradient shards + 8P/N Adam state between steps (full gradients exist
-while micro-steps accumulate, and on the boundary micro-step only until their bucket is packed). In
-16-bit training the model is cast to the compute dtype and fp32 master shards (4P/N) are what the
-optimizer updates; gradients are reduced in fp32 (gloo would sum bf16 in bf16).
+Param groups carry their process group. `optimizer_param_groups` lays the partition out per group: a
+group dict may name `"process_group"` (default: the strategy's `process_group`, the data-parallel
+group), and that group's parameters are sharded, reduced and gathered over it, in buckets of their
+own (a bucket never mixes groups). An expert-parallel group is just another group. The layout (and,
+in 16-bit training, the fp32 masters and the cast of the model) is fixed by that call, which
+`build.py` makes right after construction; a forward before it lays everything out over the default
+group.
+
+The optimizer's tensors are `DTensor`s of each parameter's global shape, `Shard(0)` over the param
+group's mesh, whose local tensor is this rank's rows (a view of the parameter in fp32, an fp32 master
+shard in 16-bit mode); their gradients are `DTensor`s too. So whole-tensor math in the optimizer
+(LAMB's trust ratio ||w|| / ||u||, clipping) sees the whole parameter at every stage, and torch's
+foreach optimizers run unchanged on the local rows. DTensor's `Shard(0)` splits like `torch.chunk`
+(chunks of ceil(d / N) rows, trailing ranks possibly empty), which is exactly `layout.py`'s split.
+A 0-dim parameter is laid out as one row: its optimizer tensor has global shape (1,), owned by group
+rank 0.
+
+Memory per rank, P parameters, N ranks, fp32 AdamW (no master copy: the optimizer's tensors are views):
+stage 1 holds 4P params + 4P full grads + 8P/N Adam state (16-bit: + 4P/N masters + 4P/N fp32 gradient
+shards); stage 2 holds 4P params + 4P/N gradient shards + 8P/N Adam state. Beside that, only flat
+buffers of at most `reduce_bucket_size` elements exist while a bucket is reduced (one at a time, two
+with `overlap_comm`), each released as its reduction lands.
 
 Step protocol, per optimizer step:
   stage 1: micro-steps accumulate full `p.grad` with no communication; `finish_gradients` reduce-scatters
            bucket by bucket into this rank's rows (with `overlap_comm`, packing the next bucket while
            the previous one is in flight).
-  stage 2: non-boundary micro-steps accumulate `p.grad` with no communication; on the boundary micro-step
-           a post-accumulate-grad hook packs each final gradient into its bucket's flat buffer and frees
-           `p.grad`; a full bucket launches an (async with `overlap_comm`) reduce-scatter into the
-           persistent gradient shards. Buckets launch strictly in order so every rank issues the same
-           collective sequence; `finish_gradients` flushes buckets whose parameters got no gradient.
-  both:    average over ranks and unscale (one division: no PREMUL_SUM on gloo), agree on inf/nan,
-           clip on the shards, step, then `after_optimizer_step` all-gathers the updated rows.
-A parameter that got no gradient is reduced as zeros (as DDP and DeepSpeed do), so weight decay still
-applies to it.
+  stage 2: on every micro-step (DeepSpeed's semantics: stage 2 is the memory stage) a
+           post-accumulate-grad hook packs each final gradient into its bucket's flat buffer and frees
+           `p.grad`; a full bucket launches a reduce-scatter (async with `overlap_comm`) that adds into
+           the persistent gradient shards; the end of backward flushes buckets whose parameters got no
+           gradient and waits. Buckets of one process group launch strictly in order, so every rank
+           issues the same collective sequence. With `zero_optimization.deepfleet_local_grad_accumulation`
+           (deepfleet's own key, not DeepSpeed's) non-boundary micro-steps instead accumulate full
+           `p.grad` locally and only the boundary micro-step communicates: 1/gas of the communication,
+           at the cost of full gradients (4P) living through the accumulation window.
+  both:    average over each group's ranks and unscale (one division: no PREMUL_SUM on gloo), agree on
+           inf/nan and clip (`zero/gradients.py`), step, then `after_optimizer_step` all-gathers the
+           updated rows. A parameter that got no gradient is reduced as zeros (as DDP and DeepSpeed do),
+           so weight decay still applies to it.
 
 State dicts: model entries are full replicated tensors keyed by FQN (in 16-bit mode the trainable ones
 are the fp32 masters as Shard(0) DTensors); optimizer state is keyed by FQN, per-element entries as
@@ -39,6 +59,7 @@ owner, group rank 0, broadcasts it).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,7 +68,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+from deepfleet.engine import comm
+from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 from deepfleet.engine.zero.layout import (
+    Bucket,
+    Landing,
     Slot,
     all_gather_params,
     build_buckets,
@@ -58,8 +83,14 @@ from deepfleet.engine.zero.layout import (
 
 _MASTER_DTYPE = torch.float32  # dtype of what the optimizer updates and of gradient reductions
 
-# parameter -> its stage-2 gradient hook; weak, by identity (a tensor's == is elementwise)
+# parameter -> its stage-2 gradient hook; model -> its pending-layout forward pre-hook. Weak, by identity
+# (a tensor's == is elementwise): a model handed to a second strategy feeds only that one.
 _GRAD_HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LAYOUT_HOOKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _Partitioned(ABC):
@@ -77,12 +108,18 @@ class _Partitioned(ABC):
     ) -> None:
         self.module = model
         self.group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
+        self.world_size = comm.get_world_size(process_group)
+        self.rank = comm.get_rank(process_group)
         self.overlap_comm = bool(zero_config.overlap_comm)
+        self.compute_dtype = compute_dtype
         self.mixed = compute_dtype != _MASTER_DTYPE
+        self._reduce_numel = int(zero_config.reduce_bucket_size)
+        self._gather_numel = int(zero_config.allgather_bucket_size)
         self.optimizer: torch.optim.Optimizer | None = None
-        self._mesh: DeviceMesh | None = None
+        self._meshes: dict[int, DeviceMesh] = {}
+        # Called with a point name while transient buffers are at their largest (engine/memory.py's
+        # HighWater sets it), so peak measurements see flat buffers that never outlive a call.
+        self.memory_probe: Callable[[str], None] | None = None
 
         self._sync = True  # False on non-boundary micro-steps
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -98,34 +135,73 @@ class _Partitioned(ABC):
                     f"parameter {name} is {p.dtype}; pass the model in float32 and enable bf16/fp16 "
                     "in the config (the fp32 masters are taken from it)"
                 )
-        self._broadcast_module()
-
-        # Masters come from the fp32 model before the cast, so they are exact.
-        slots = _slots(self._names, self._params, world_size=self.world_size, rank=self.rank)
-        if self.mixed:
-            self._opt_tensors = [
-                local_rows(p.detach(), s).to(_MASTER_DTYPE, copy=True)
-                for p, s in zip(self._params, slots, strict=True)
-            ]
-            model.to(compute_dtype)  # keeps Parameter identity (p.data is swapped)
-        else:
-            self._opt_tensors = [local_rows(p.detach(), s) for p, s in zip(self._params, slots, strict=True)]
-        self._slots = slots
         self._index = {id(p): i for i, p in enumerate(self._params)}
+        with torch.no_grad():  # buffers are replicated over the data-parallel group, as DDP does
+            for t in model.buffers():
+                comm.broadcast(t.detach(), group=self.group, group_src=0)
+        self._groups_of: list[dist.ProcessGroup | None] | None = None  # per parameter, once laid out
+        self._inflight: list[Landing] = []  # reductions not yet landed (their flats are alive)
+        self._staged: list[torch.Tensor] = []  # flat buffers being packed (stage 1)
+        previous = _LAYOUT_HOOKS.get(model)
+        if previous is not None:
+            previous.remove()
+        _LAYOUT_HOOKS[model] = model.register_forward_pre_hook(lambda *_: self._ensure_layout())
 
-        named = list(zip(self._names, self._params, strict=True))
-        self._reduce_buckets = build_buckets(
-            named,
-            bucket_numel=int(zero_config.reduce_bucket_size),
-            world_size=self.world_size,
-            rank=self.rank,
-        )
-        self._gather_buckets = build_buckets(
-            named,
-            bucket_numel=int(zero_config.allgather_bucket_size),
-            world_size=self.world_size,
-            rank=self.rank,
-        )
+    # --- layout ---------------------------------------------------------------------------------------
+
+    def _ensure_layout(self) -> None:
+        if self._groups_of is None:
+            self._lay_out([self.group] * len(self._params))
+
+    def _lay_out(self, groups_of: list[dist.ProcessGroup | None]) -> None:
+        """Shard every trainable parameter over its process group: rows, masters, optimizer DTensors and
+        buckets (built per group, in first-appearance order, the same on every rank)."""
+        if self._groups_of is not None:
+            if all(a is b for a, b in zip(self._groups_of, groups_of, strict=True)):
+                return
+            if self.mixed:
+                raise ValueError(
+                    "optimizer param groups: the process groups changed after the 16-bit masters were "
+                    "taken; call optimizer_param_groups once, with the final groups"
+                )
+        hook = _LAYOUT_HOOKS.get(self.module)
+        if hook is not None:
+            hook.remove()
+            del _LAYOUT_HOOKS[self.module]
+        with torch.no_grad():  # every replica starts from its group rank 0's weights, as DDP does
+            for p, pg in zip(self._params, groups_of, strict=True):
+                comm.broadcast(p.detach(), group=pg, group_src=0)
+        self._groups_of = list(groups_of)
+        self._slots: list[Slot] = [
+            make_slot(n, p.shape, offset=0, world_size=comm.get_world_size(pg), rank=comm.get_rank(pg))
+            for n, p, pg in zip(self._names, self._params, groups_of, strict=True)
+        ]
+        # Masters come from the fp32 model before the cast, so they are exact.
+        locals_ = [local_rows(p.detach(), s) for p, s in zip(self._params, self._slots, strict=True)]
+        if self.mixed:
+            locals_ = [t.to(_MASTER_DTYPE, copy=True) for t in locals_]
+            self.module.to(self.compute_dtype)  # keeps Parameter identity (p.data is swapped)
+        self._opt_locals = locals_
+        self._opt_tensors = [self._dtensor(t, i) for i, t in enumerate(locals_)]
+
+        self._reduce_buckets: list[Bucket] = []
+        self._gather_buckets: list[Bucket] = []
+        self._queues: list[list[int]] = []  # per process group: its reduce buckets, in launch order
+        order: list[dist.ProcessGroup | None] = []
+        for pg in groups_of:
+            if not any(pg is g for g in order):
+                order.append(pg)
+        for pg in order:
+            named = [(n, p) for n, p, g in zip(self._names, self._params, groups_of, strict=True) if g is pg]
+            size, rank = comm.get_world_size(pg), comm.get_rank(pg)
+            reduce = build_buckets(named, bucket_numel=self._reduce_numel, world_size=size, rank=rank, group=pg)
+            start = len(self._reduce_buckets)
+            self._queues.append(list(range(start, start + len(reduce))))
+            self._reduce_buckets += reduce
+            self._gather_buckets += build_buckets(
+                named, bucket_numel=self._gather_numel, world_size=size, rank=rank, group=pg
+            )
+        self._queue_of = {b: q for q, bs in enumerate(self._queues) for b in bs}
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (reduce bucket, slot)
         for b, bucket in enumerate(self._reduce_buckets):
             for s, p in enumerate(bucket.params):
@@ -137,34 +213,61 @@ class _Partitioned(ABC):
                 torch.zeros(b.segment_numel, dtype=_MASTER_DTYPE, device=b.params[0].device)
                 for b in self._reduce_buckets
             ]
+        self._on_layout()
 
-    # --- construction helpers -------------------------------------------------------------------------
+    @abstractmethod
+    def _on_layout(self) -> None:
+        """Set up the subclass's state that depends on the buckets (called at the end of `_lay_out`)."""
 
-    def _broadcast_module(self) -> None:
-        """Start every replica from group rank 0's weights and buffers, as DDP does."""
-        with torch.no_grad():
-            for t in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(t.detach(), group=self.group, group_src=0)
+    def _mesh(self, pg: dist.ProcessGroup | None) -> DeviceMesh:
+        key = id(pg)
+        if key not in self._meshes:
+            self._meshes[key] = DeviceMesh.from_group(pg if pg is not None else dist.group.WORLD, self._device().type)
+        return self._meshes[key]
+
+    def _dtensor(self, local: torch.Tensor, i: int) -> DTensor:
+        """`local` (this rank's rows of parameter i) as a Shard(0) DTensor of the parameter's global shape
+        ((1,) for a 0-dim parameter); no copy."""
+        slot = self._slots[i]
+        shape = slot.shape if len(slot.shape) else torch.Size([1])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self._mesh(self._groups_of[i]), [Shard(0)], run_check=False, shape=shape, stride=stride
+        )
 
     # --- ZeroStrategy ---------------------------------------------------------------------------------
 
     def optimizer_param_groups(self, groups: list[dict]) -> list[dict]:
-        """Same groups over this rank's optimizer tensors (views of local rows, or fp32 master shards).
+        """Same groups over this rank's optimizer DTensors (views of local rows, or fp32 master shards),
+        laying the partition out per group's `"process_group"` (removed from the returned groups).
         Frozen parameters are dropped (they never get gradients). Raises ValueError for a tensor that is
-        not a parameter of the model."""
+        not a parameter of the model, or one parameter placed in groups with different process groups."""
         frozen = {id(p) for p in self.module.parameters() if not p.requires_grad}
-        out = []
+        groups_of: list[dist.ProcessGroup | None] = [self.group] * len(self._params)
+        placed: set[int] = set()
         for g, group in enumerate(groups):
-            mapped = []
+            pg = group.get("process_group", self.group)
             for t in group["params"]:
-                if id(t) in self._index:
-                    mapped.append(self._opt_tensors[self._index[id(t)]])
-                elif id(t) not in frozen:
+                i = self._index.get(id(t))
+                if i is None:
+                    if id(t) not in frozen:
+                        raise ValueError(
+                            f"optimizer param_groups[{g}].params: a tensor of shape {tuple(t.shape)} is not "
+                            "a parameter of the model; pass model.parameters() or groups over them"
+                        )
+                    continue
+                if i in placed and groups_of[i] is not pg:
                     raise ValueError(
-                        f"optimizer param_groups[{g}].params: a tensor of shape {tuple(t.shape)} is not a "
-                        "parameter of the model; pass model.parameters() or groups over them"
+                        f"optimizer param_groups[{g}].params: {self._names[i]} is also in an earlier group "
+                        "with another process_group; put each parameter in one group"
                     )
-            out.append({**group, "params": mapped})
+                groups_of[i] = pg
+                placed.add(i)
+        self._lay_out(groups_of)
+        out = []
+        for group in groups:
+            mapped = [self._opt_tensors[self._index[id(t)]] for t in group["params"] if id(t) in self._index]
+            out.append({**{k: v for k, v in group.items() if k != "process_group"}, "params": mapped})
         return out
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -174,58 +277,56 @@ class _Partitioned(ABC):
         self._sync = enabled
 
     def finish_gradients(self, *, grad_scale: float) -> bool:
+        self._ensure_layout()
         self._reduce()
-        grads = self._attach_grads()
-        divisor = float(self.world_size) * float(grad_scale)
-        if self._grad_segments:
-            torch._foreach_div_(self._grad_segments, divisor)
-        else:
-            torch._foreach_div_(grads, divisor)
-        flags = [(~torch.isfinite(g)).any() for g in (self._grad_segments or grads)]
-        bad = torch.stack(flags).any().float().reshape(1) if flags else torch.zeros(1, device=self._device())
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(bad.item() > 0)
+        self._attach_grads()
+        # One division per group size: the sum over that group's ranks becomes the mean, unscaled.
+        by_divisor: dict[float, list[torch.Tensor]] = {}
+        for b, bucket in enumerate(self._reduce_buckets):
+            if self._grad_segments:
+                targets = [self._grad_segments[b]]
+            else:
+                targets = [self._local_grad(i) for i in self._bucket_params(b)]
+            by_divisor.setdefault(float(bucket.world_size) * float(grad_scale), []).extend(targets)
+        for divisor, tensors in by_divisor.items():
+            torch._foreach_div_(tensors, divisor)
+        checked = self._grad_segments or [self._local_grad(i) for i in range(len(self._params))]
+        return any_nonfinite(checked, self.group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        grads = [t.grad for t in self._opt_tensors if t.grad is not None and t.numel()]
-        sq = torch.zeros((), dtype=_MASTER_DTYPE, device=self._device())
-        for g in grads:
-            sq += torch.linalg.vector_norm(g, dtype=_MASTER_DTYPE) ** 2
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
-        norm = sq.sqrt()
-        if max_norm > 0 and grads:
-            # torch.nn.utils.clip_grad_norm_'s rule: scale by min(1, max_norm / (norm + 1e-6)).
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
-        return float(norm.item())
+        grads = [t.grad for t in self._opt_tensors if t.grad is not None]
+        return clip_by_global_norm_(grads, max_norm, None)
 
     def after_optimizer_step(self) -> None:
         with torch.no_grad():
             if self.mixed:
-                for p, slot, master in zip(self._params, self._slots, self._opt_tensors, strict=True):
+                for p, slot, master in zip(self._params, self._slots, self._opt_locals, strict=True):
                     local_rows(p.detach(), slot).copy_(master)
             for bucket in self._gather_buckets:
-                all_gather_params(bucket, group=self.group)
+                all_gather_params(bucket)
 
     def zero_grad(self) -> None:
         for p in self._params:
             p.grad = None
-        for t in self._opt_tensors:
-            t.grad = None
+        if self._groups_of is not None:
+            for t in self._opt_tensors:
+                t.grad = None
 
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        self._ensure_layout()
         grads = [p.grad for p in self._params if p.grad is not None]
-        grads += [t.grad for t in self._opt_tensors if t.grad is not None]
+        grads += [_local(t.grad) for t in self._opt_tensors if t.grad is not None]
         grads += self._grad_segments
+        grads += self._transient_buffers()
         optim: list[torch.Tensor] = []
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
-                optim += [v for v in state.values() if isinstance(v, torch.Tensor)]
+                optim += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
         return {
             "params": list(self.module.parameters()),
             "grads": grads,
             "optimizer": optim,
-            "master": list(self._opt_tensors) if self.mixed else [],
+            "master": list(self._opt_locals) if self.mixed else [],
         }
 
     # --- gradients ------------------------------------------------------------------------------------
@@ -234,52 +335,70 @@ class _Partitioned(ABC):
     def _reduce(self) -> None:
         """Leave the SUM over ranks of this rank's gradient rows where `_attach_grads` points."""
 
-    def _attach_grads(self) -> list[torch.Tensor]:
-        """Point each optimizer tensor's .grad at this rank's reduced rows; return those grads."""
-        grads = []
+    def _transient_buffers(self) -> list[torch.Tensor]:
+        """Flat buffers alive right now (packed or in flight): reported as gradient memory."""
+        return self._staged + [landing.flat for landing in self._inflight if landing.flat is not None]
+
+    def _probe(self, point: str) -> None:
+        if self.memory_probe is not None:
+            self.memory_probe(point)
+
+    def _track(self, landing: Landing) -> None:
+        """Keep at most one reduction in flight besides the newest (double buffering with
+        `overlap_comm`); a landed reduction is dropped, releasing its flat buffer."""
+        if not landing.done:
+            self._inflight.append(landing)
+        while len(self._inflight) > 1:
+            self._inflight.pop(0).wait()
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._inflight.pop(0).wait()
+
+    def _bucket_params(self, b: int) -> list[int]:
+        return [self._index[id(p)] for p in self._reduce_buckets[b].params]
+
+    def _local_grad(self, i: int) -> torch.Tensor:
+        """This rank's reduced rows of parameter i (a view)."""
+        b, s = self._where[i]
+        if self._grad_segments:
+            return self._reduce_buckets[b].segment_view(self._grad_segments[b], s)
+        # stage 1, fp32: the reduced rows were written into p.grad itself
+        return local_rows(self._params[i].grad, self._slots[i])
+
+    def _attach_grads(self) -> None:
+        """Point each optimizer DTensor's .grad at this rank's reduced rows (as a DTensor)."""
         for i, t in enumerate(self._opt_tensors):
-            b, s = self._where[i]
-            if self._grad_segments:
-                g = self._reduce_buckets[b].segment_view(self._grad_segments[b], s)
-            else:  # stage 1, fp32: the reduced rows were written into p.grad itself
-                g = local_rows(self._params[i].grad, self._slots[i])
-            t.grad = g
-            grads.append(g)
-        return grads
+            t.grad = self._dtensor(self._local_grad(i), i)
 
     def _device(self) -> torch.device:
         return self._params[0].device if self._params else torch.device("cpu")
 
     # --- state dicts ----------------------------------------------------------------------------------
 
-    def _device_mesh(self) -> DeviceMesh:
-        if self._mesh is None:
-            group = self.group if self.group is not None else dist.group.WORLD
-            self._mesh = DeviceMesh.from_group(group, self._device().type)
-        return self._mesh
-
-    def _sharded(self, local: torch.Tensor, slot: Slot) -> torch.Tensor:
-        """This rank's rows as a DTensor of the parameter's global shape (Shard(0)); a 0-dim
-        parameter's value is broadcast from its owner (group rank 0) and returned as a plain tensor."""
+    def _sharded(self, value: torch.Tensor, i: int) -> torch.Tensor:
+        """A per-element value of parameter i (its optimizer DTensor's shape, or its local rows) as a
+        state-dict entry: a Shard(0) DTensor of the parameter's shape; for a 0-dim parameter, the value
+        broadcast from its owner (group rank 0) as a plain 0-dim tensor."""
+        slot = self._slots[i]
+        local = _local(value).detach()
         if len(slot.shape) == 0:
-            value = local.detach().reshape(()).clone() if slot.local_rows else local.new_empty(())
-            dist.broadcast(value, group=self.group, group_src=0)
-            return value
-        stride = torch.empty(slot.shape, device="meta").stride()
-        return DTensor.from_local(
-            local.detach(), self._device_mesh(), [Shard(0)], run_check=False, shape=slot.shape, stride=stride
-        )
+            scalar = local.reshape(()).clone() if slot.local_rows else local.new_empty(())
+            comm.broadcast(scalar, group=self._groups_of[i], group_src=0)
+            return scalar
+        return value.detach() if isinstance(value, DTensor) else self._dtensor(local, i)
 
     def state_dict(self) -> dict:
         """Model: full replicated tensors keyed by FQN; in 16-bit mode the trainable parameters are the
         fp32 masters as Shard(0) DTensors (the full-precision values, as FSDP2 mixed precision saves).
         Optimizer: per-element state as Shard(0) DTensors, `step` as a plain tensor, keyed by FQN."""
+        self._ensure_layout()
         index = {n: i for i, n in enumerate(self._names)}
         model: dict[str, torch.Tensor] = {}
         for name, value in self.module.state_dict().items():
             i = index.get(name)
             if i is not None and self.mixed:
-                model[name] = self._sharded(self._opt_tensors[i], self._slots[i])
+                model[name] = self._sharded(self._opt_tensors[i], i)
             else:
                 model[name] = value.detach()
         return {"model": model, "optim": self._optim_state_dict()}
@@ -298,11 +417,9 @@ class _Partitioned(ABC):
         state: dict[str, dict[str, Any]] = {}
         for fqn in self._optimizer_fqns():
             i = index[fqn]
-            t, slot = self._opt_tensors[i], self._slots[i]
+            t = self._opt_tensors[i]
             entries = self.optimizer.state.get(t, {})
-            state[fqn] = {
-                k: self._sharded(v, slot) if _per_element(k, v, t) else v for k, v in sorted(entries.items())
-            }
+            state[fqn] = {k: self._sharded(v, i) if _per_element(k, v, t) else v for k, v in sorted(entries.items())}
         groups = []
         fqns = iter(self._optimizer_fqns())
         for g in self.optimizer.param_groups:
@@ -328,6 +445,8 @@ class _Partitioned(ABC):
             g["lr"] = lr
         for t in self._opt_tensors:
             t.grad = None
+            if t not in self.optimizer.state:
+                continue
             step = self.optimizer.state[t].get("step")
             if isinstance(step, torch.Tensor):
                 step.zero_()
@@ -337,6 +456,7 @@ class _Partitioned(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Load `state_dict()`-shaped state; model entries may be full tensors or Shard(0) DTensors of
         any world size's save (dcp.load reshards them in place before this is called)."""
+        self._ensure_layout()
         index = {n: i for i, n in enumerate(self._names)}
         own = self.module.state_dict()
         with torch.no_grad():
@@ -349,7 +469,7 @@ class _Partitioned(ABC):
                     continue
                 rows = self._local_from(value, self._slots[i])
                 if self.mixed:
-                    self._opt_tensors[i].copy_(rows)
+                    self._opt_locals[i].copy_(rows)
                 else:
                     local_rows(self._params[i].detach(), self._slots[i]).copy_(rows)
         if "optim" in state and state["optim"].get("param_groups"):
@@ -372,9 +492,10 @@ class _Partitioned(ABC):
         for fqn, entries in optim["state"].items():
             if fqn not in position:
                 raise ValueError(f"checkpoint optim.state.{fqn}: not a parameter this optimizer updates")
-            slot = self._slots[index[fqn]]
+            i = index[fqn]
+            slot = self._slots[i]
             new_state[position[fqn]] = {
-                k: self._local_from(v, slot).clone() if _saved_per_element(k, v, slot) else v
+                k: self._dtensor(self._local_from(v, slot).clone(), i) if _saved_per_element(k, v, slot) else v
                 for k, v in entries.items()
             }
         # torch matches saved to current parameters by position, so keep the current order and take
@@ -399,14 +520,6 @@ class _Partitioned(ABC):
         self.optimizer.load_state_dict({"state": new_state, "param_groups": groups})
 
 
-def _slots(names: list[str], params: list[torch.Tensor], *, world_size: int, rank: int) -> list[Slot]:
-    """Each parameter's own layout (offsets are per bucket; only the row split matters here)."""
-    return [
-        make_slot(n, p.shape, offset=0, world_size=world_size, rank=rank)
-        for n, p in zip(names, params, strict=True)
-    ]
-
-
 def _per_element(key: str, value: Any, opt_tensor: torch.Tensor) -> bool:
     """Optimizer state shaped like its tensor (exp_avg, ...) is sharded; `step` and scalars are not."""
     return isinstance(value, torch.Tensor) and key != "step" and value.shape == opt_tensor.shape
@@ -427,32 +540,42 @@ class ZeroStage1(_Partitioned):
 
     holds_grad_shards = False
 
-    def _reduce(self) -> None:
-        # With overlap_comm, bucket b+1 is packed while bucket b is in flight (two flat buffers at most).
-        in_flight: tuple[int, dist.Work | None, torch.Tensor, torch.Tensor] | None = None
-        with torch.no_grad():
-            for b, bucket in enumerate(self._reduce_buckets):
-                flat = torch.empty(bucket.flat_numel, dtype=_MASTER_DTYPE, device=bucket.params[0].device)
-                for s, p in enumerate(bucket.params):
-                    bucket.pack(flat, s, p.grad)
-                # 16-bit: reduce straight into the fp32 shards; fp32: into a segment copied into p.grad
-                segment = (
-                    self._grad_segments[b]
-                    if self._grad_segments
-                    else torch.empty(bucket.segment_numel, dtype=_MASTER_DTYPE, device=flat.device)
-                )
-                work = reduce_scatter(bucket, flat, segment, group=self.group, async_op=self.overlap_comm)
-                if in_flight is not None:
-                    self._land(*in_flight)
-                in_flight = (b, work, flat, segment)
-            if in_flight is not None:
-                self._land(*in_flight)
+    def _on_layout(self) -> None:
+        """Stage 1 keeps no per-bucket state between calls."""
 
-    def _land(self, b: int, work: dist.Work | None, flat: torch.Tensor, segment: torch.Tensor) -> None:
-        """Wait for bucket b's reduction (`flat` stays referenced until then); in fp32 mode copy this
-        rank's reduced rows into p.grad, where the optimizer's views point."""
-        if work is not None:
-            work.wait()
+    def _reduce(self) -> None:
+        # Per process group, buckets in order. With overlap_comm, bucket b+1 is packed while bucket b is
+        # in flight (two flat buffers at most); without, each flat is released before the next exists.
+        landed: list[tuple[Landing, int, torch.Tensor]] = []
+        with torch.no_grad():
+            for queue in self._queues:
+                for b in queue:
+                    bucket = self._reduce_buckets[b]
+                    flat = torch.empty(bucket.flat_numel, dtype=_MASTER_DTYPE, device=bucket.params[0].device)
+                    for s, p in enumerate(bucket.params):
+                        bucket.pack(flat, s, p.grad)
+                    # 16-bit: reduce straight into the fp32 shards; fp32: into a segment copied into p.grad
+                    segment = (
+                        self._grad_segments[b]
+                        if self._grad_segments
+                        else torch.empty(bucket.segment_numel, dtype=_MASTER_DTYPE, device=flat.device)
+                    )
+                    self._staged = [flat, segment]
+                    self._probe("reduce")
+                    landing = reduce_scatter(bucket, flat, segment, async_op=self.overlap_comm)
+                    del flat
+                    self._staged = []
+                    self._track(landing)
+                    landed.append((landing, b, segment))
+                    while landed and landed[0][0].done:
+                        self._land(*landed.pop(0))
+            self._drain()
+            for item in landed:
+                self._land(*item)
+
+    def _land(self, landing: Landing, b: int, segment: torch.Tensor) -> None:
+        """In fp32 mode copy this rank's reduced rows into p.grad, where the optimizer's views point."""
+        landing.wait()
         if self._grad_segments:
             return
         bucket = self._reduce_buckets[b]
@@ -464,7 +587,8 @@ class ZeroStage1(_Partitioned):
 
 class ZeroStage2(_Partitioned):
     """ZeRO stage 2: optimizer state and gradients partitioned; gradients are reduce-scattered bucket by
-    bucket during the boundary micro-step's backward and full gradients are freed as soon as packed."""
+    bucket during every micro-step's backward (or only the boundary's, with local accumulation) and full
+    gradients are freed as soon as packed."""
 
     holds_grad_shards = True
 
@@ -479,11 +603,8 @@ class ZeroStage2(_Partitioned):
         super().__init__(
             model, compute_dtype=compute_dtype, zero_config=zero_config, process_group=process_group
         )
-        n = len(self._reduce_buckets)
-        self._flats: list[torch.Tensor | None] = [None] * n  # packed, not yet launched
-        self._packed: list[set[int]] = [set() for _ in range(n)]
-        self._next = 0  # next bucket to launch: buckets launch in order on every rank
-        self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []
+        self.local_accumulation = bool(getattr(zero_config, "deepfleet_local_grad_accumulation", False))
+        self._callback_queued = False
         for p in self._params:
             # A model handed to a second strategy (initialize called again) must not keep feeding the
             # first one: its hook would pack the gradient and free p.grad before ours runs.
@@ -492,20 +613,35 @@ class ZeroStage2(_Partitioned):
                 previous.remove()
             _GRAD_HOOKS[p] = p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    def _on_layout(self) -> None:
+        n = len(self._reduce_buckets)
+        self._flats: list[torch.Tensor | None] = [None] * n  # being packed, not yet launched
+        self._packed: list[set[int]] = [set() for _ in range(n)]
+        self._next = [0] * len(self._queues)  # per process group: position of the next bucket to launch
+        self._fresh = [True] * n  # the bucket's gradient shard holds nothing of this window yet
+        self._reduced_window = False  # any reduction since zero_grad
+
+    def _transient_buffers(self) -> list[torch.Tensor]:
+        return super()._transient_buffers() + [f for f in self._flats if f is not None]
+
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._sync:
+        if not self._sync and self.local_accumulation:
             return  # non-boundary micro-step: keep accumulating in p.grad
+        self._ensure_layout()
+        if not self._callback_queued:
+            # the end of this backward flushes buckets that got no gradient and waits for all of them
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         b, s = self._where[self._index[id(p)]]
-        if b < self._next:
-            raise RuntimeError(
-                "ZeRO stage 2: a second backward reached already-reduced gradients before step(); "
-                "call set_gradient_sync(False) on non-boundary micro-steps"
-            )
+        q = self._queue_of[b]
+        assert self._queues[q].index(b) >= self._next[q], "a gradient reached an already-reduced bucket"
         self._pack(b, s, p)
-        while self._next < len(self._reduce_buckets) and len(self._packed[self._next]) == len(
-            self._reduce_buckets[self._next].params
-        ):
-            self._launch(self._next)
+        queue = self._queues[q]
+        while self._next[q] < len(queue):
+            ready = queue[self._next[q]]
+            if len(self._packed[ready]) < len(self._reduce_buckets[ready].params):
+                break
+            self._launch(ready)
 
     def _pack(self, b: int, s: int, p: torch.Tensor) -> None:
         bucket = self._reduce_buckets[b]
@@ -520,28 +656,47 @@ class ZeroStage2(_Partitioned):
     def _launch(self, b: int) -> None:
         flat = self._flats[b]
         assert flat is not None
-        work = reduce_scatter(
+        self._probe("reduce")
+        landing = reduce_scatter(
             self._reduce_buckets[b],
             flat,
             self._grad_segments[b],
-            group=self.group,
             async_op=self.overlap_comm,
+            accumulate=not self._fresh[b],
         )
-        self._pending.append((work, flat))
+        del flat
         self._flats[b] = None
-        self._next = b + 1
+        self._fresh[b] = False
+        self._packed[b] = set()
+        self._next[self._queue_of[b]] += 1
+        self._reduced_window = True
+        self._track(landing)
+
+    def _flush(self) -> None:
+        """Launch, in order, every bucket not launched in this pass (packing zeros, or what p.grad holds,
+        for parameters that got no gradient in it), wait for all, and start the next pass."""
+        for q, queue in enumerate(self._queues):
+            for b in queue[self._next[q] :]:
+                for s, p in enumerate(self._reduce_buckets[b].params):
+                    if s not in self._packed[b]:
+                        self._pack(b, s, p)
+                self._launch(b)
+        self._drain()
+        self._next = [0] * len(self._queues)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._flush()
 
     def _reduce(self) -> None:
-        # Flush buckets whose parameters got no gradient in the boundary backward (an unused
-        # parameter, or gradients only from earlier micro-steps), in order.
-        for b in range(self._next, len(self._reduce_buckets)):
-            for s, p in enumerate(self._reduce_buckets[b].params):
-                if s not in self._packed[b]:
-                    self._pack(b, s, p)
-            self._launch(b)
-        for work, _ in self._pending:
-            if work is not None:
-                work.wait()
-        self._pending.clear()
-        self._packed = [set() for _ in self._reduce_buckets]
-        self._next = 0
+        # The end of each backward has already reduced everything; a window with no reduction (no
+        # backward with sync on) still reduces what p.grad holds, so every rank steps on the same sums.
+        if not self._reduced_window:
+            self._flush()
+        self._drain()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        if self._groups_of is not None:
+            self._fresh = [True] * len(self._reduce_buckets)
+            self._reduced_window = False

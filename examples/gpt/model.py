@@ -36,14 +36,16 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape  # (batch, seq, d_model)
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        b, t, _ = x.shape  # (batch, seq, d_model)
+        # Widths come from n_heads and the projections, not from d_model, so a model whose heads were
+        # pruned (fewer heads of the same head_dim) still runs.
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         # (batch, heads, seq, head_dim)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, self.n_heads, -1).transpose(1, 2) for z in (q, k, v))
         att = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

@@ -7,6 +7,7 @@ Kubernetes backend uses."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,10 +52,73 @@ def test_lint_strict_is_clean(values: Path) -> None:
     assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout
 
 
-def test_missing_database_fails_with_the_fix() -> None:
-    proc = helm("template", "df", str(CHART))
+def render_defaults(*extra: str, kube_version: str = "1.33.0") -> list[dict]:
+    proc = helm("template", "df", str(CHART), "--namespace", "ml", "--kube-version", kube_version, *extra)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_the_default_install_needs_no_values_and_validates(kube_version: str) -> None:
+    docs = render_defaults(kube_version=kube_version)
+    for doc in docs:
+        kubernetes_validate.validate(doc, kube_version, strict=True)
+    (deploy,) = by_kind(docs, "Deployment")
+    (pvc,) = by_kind(docs, "PersistentVolumeClaim")
+    (config,) = by_kind(docs, "ConfigMap")
+    pod = deploy["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    # a trial install: one replica, SQLite on the chart's volume, migrated by the controller at start
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert env["DEEPFLEET_DATABASE_URL"]["value"] == "sqlite:////var/lib/deepfleet/deepfleet.db"
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}} in pod["volumes"]
+    assert config["data"]["DEEPFLEET_MIGRATE_ON_START"] == "true"
+    assert config["data"]["DEEPFLEET_DATA_DIR"] == "/var/lib/deepfleet"
+    assert not by_kind(docs, "Job")  # no migration hook: it could not mount the volume before the pod
+
+
+def test_the_admin_token_lives_in_a_secret_and_helm_test_uses_it() -> None:
+    docs = render_defaults()
+    admin = next(d for d in by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-admin"))
+    assert re.fullmatch(r"dft_[0-9a-f]{12}_[A-Za-z0-9]{40}", admin["stringData"]["token"])
+    (deploy,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["DEEPFLEET_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": admin["metadata"]["name"],
+                                                                       "key": "token"}
+    (smoke,) = by_kind(docs, "Pod")
+    assert smoke["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    smoke_env = {e["name"]: e for e in smoke["spec"]["containers"][0]["env"]}
+    assert smoke_env["DEEPFLEET_API_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == admin["metadata"]["name"]
+    assert "/readyz" in smoke["spec"]["containers"][0]["args"][0]
+
+
+def test_the_embedded_database_refuses_more_replicas_with_the_fix() -> None:
+    proc = helm("template", "df", str(CHART), "--set", "replicaCount=2")
     assert proc.returncode != 0
-    assert "database.existingSecret" in proc.stderr and "database.url" in proc.stderr
+    assert "replicaCount" in proc.stderr and "database.url" in proc.stderr
+
+
+def test_production_values_use_the_external_database_and_its_migration_hook() -> None:
+    docs = render(PRODUCTION)
+    assert not by_kind(docs, "PersistentVolumeClaim") and by_kind(docs, "Job")
+    (config,) = by_kind(docs, "ConfigMap")
+    assert config["data"]["DEEPFLEET_MIGRATE_ON_START"] == "false"
+
+
+def test_the_chart_readme_lists_every_value() -> None:
+    whole = {"resources", "podSecurityContext", "securityContext"}  # Kubernetes objects, documented as one
+
+    def leaves(tree: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            nested = isinstance(value, dict) and value and path not in whole
+            out += leaves(value, path + ".") if nested else [path]
+        return out
+
+    readme = (CHART / "README.md").read_text()
+    missing = [key for key in leaves(yaml.safe_load((CHART / "values.yaml").read_text())) if f"`{key}`" not in readme]
+    assert not missing, f"charts/deepfleet/README.md does not document {missing}"
 
 
 def test_values_schema_rejects_unknown_keys() -> None:
@@ -84,7 +148,7 @@ def test_deployment_probes_security_and_db_secret() -> None:
     assert ctr["securityContext"]["allowPrivilegeEscalation"] is False
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
     db = next(e for e in ctr["env"] if e["name"] == "DEEPFLEET_DATABASE_URL")
-    (secret,) = by_kind(docs, "Secret")
+    (secret,) = [s for s in by_kind(docs, "Secret") if not s["metadata"]["name"].endswith("-admin")]
     assert db["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
     assert secret["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
     key = next(e for e in ctr["env"] if e["name"] == "DEEPFLEET_SECRET")["valueFrom"]["secretKeyRef"]
@@ -104,7 +168,8 @@ def test_configmap_names_are_controller_settings() -> None:
 
 def test_existing_secret_is_used_and_none_created() -> None:
     docs = render(PRODUCTION)
-    assert by_kind(docs, "Secret") == []
+    # the database Secret is the user's; only the generated admin token's Secret is the chart's
+    assert [s["metadata"]["name"] for s in by_kind(docs, "Secret")] == ["df-deepfleet-admin"]
     (deploy,) = by_kind(docs, "Deployment")
     env = deploy["spec"]["template"]["spec"]["containers"][0]["env"]
     ref = next(e for e in env if e["name"] == "DEEPFLEET_DATABASE_URL")["valueFrom"]["secretKeyRef"]

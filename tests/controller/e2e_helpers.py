@@ -25,14 +25,16 @@ class Controller:
 
     def __init__(self, db_url: str, data_dir: Path, *, worker_command: list[str] | None = None,
                  replica: str = "c1", lease_seconds: float = 3.0, workdir: Path | None = None,
-                 heartbeat_interval: float = 0.5) -> None:
+                 heartbeat_interval: float = 0.5, extra_env: dict[str, str] | None = None) -> None:
+        """`extra_env` overrides the controller's environment (by default jobs run as the test's own user,
+        `DEEPFLEET_LOCAL_USER` empty, since pytest's temporary directories are not reachable by others)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.log = data_dir / f"controller-{replica}-{self.port}.log"
         env = {**os.environ, "DEEPFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "DEEPFLEET_ADMIN_PROJECT": "test",
                "DEEPFLEET_SECRET": "e2e-secret", "DEEPFLEET_LEASE_SECONDS": str(lease_seconds),
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", "DEEPFLEET_LOCAL_USER": "", **(extra_env or {})}
         argv = [sys.executable, "-m", "deepfleet.controller.server", "--db", db_url, "--port", str(self.port),
                 "--data-dir", str(data_dir), "--slots", "16", "--reconcile-interval", "0.2",
                 "--replica-id", replica, "--heartbeat-interval", str(heartbeat_interval)]

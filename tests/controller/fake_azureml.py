@@ -5,6 +5,10 @@ The SDK itself builds, serializes and parses everything (the command job, the an
 the ARM URLs and api-versions); the fake stores jobs, answers GET/PUT/cancel like ARM does (404 with an
 ARM error body for unknown jobs, 201 on create), lets a test move a job through Azure's statuses
 (`set_status`) and inject error responses (`fail_next`), and records every request.
+
+Job logs take the path the SDK's own `jobs.stream` takes: the workspace's discovery document names the
+run-history host, whose `runs/{name}/details` lists the run's log files as (SAS) URLs on a storage host,
+which answer the text; `append_log` writes a node's `user_logs/std_log_process_<node>.txt` there.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from azure.core.pipeline.transport import HttpTransport, RequestsTransportRespon
 from azure.core.rest._requests_basic import RestRequestsTransportResponse
 
 ARM = "https://management.azure.com"
+HISTORY = "https://westeurope.api.azureml.ms"
+BLOBS = "https://fakestore.blob.core.windows.net"
 SUBSCRIPTION = "00000000-0000-0000-0000-000000000000"
 
 
@@ -47,6 +53,7 @@ class FakeAzureML(HttpTransport):
     jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     faults: list[tuple[str, re.Pattern[str], int, dict[str, Any]]] = field(default_factory=list)
+    logs: dict[str, dict[str, str]] = field(default_factory=dict)  # job name -> log file name -> text
 
     # azure-core's transport protocol
     def __enter__(self) -> FakeAzureML:
@@ -70,16 +77,25 @@ class FakeAzureML(HttpTransport):
                   message: str = "injected") -> None:
         self.faults.append((method, re.compile(path_pattern), status, {"error": {"code": code, "message": message}}))
 
+    def append_log(self, name: str, node: int, text: str) -> None:
+        files = self.logs.setdefault(name, {})
+        key = f"user_logs/std_log_process_{node}.txt"
+        files[key] = files.get(key, "") + text
+
     def job_puts(self) -> list[Call]:
         return [c for c in self.calls if c.method == "PUT" and re.search(r"/jobs/[^/]+$", c.path)]
 
     # ------------------------------------------------------------------ requests
-    def _respond(self, request: Any, status: int, body: Any = None) -> Any:
+    def _respond(self, request: Any, status: int, body: Any = None, *, text: str | None = None) -> Any:
         raw = requests.Response()
         raw.status_code = status
         raw.url = request.url
-        raw.raw = io.BytesIO(json.dumps(body).encode() if body is not None else b"")
-        raw.headers["Content-Type"] = "application/json"
+        if text is not None:
+            raw.raw = io.BytesIO(text.encode())
+            raw.headers["Content-Type"] = "text/plain; charset=utf-8"
+        else:
+            raw.raw = io.BytesIO(json.dumps(body).encode() if body is not None else b"")
+            raw.headers["Content-Type"] = "application/json"
         if is_rest(request):  # the SDK's newer generated clients read `response.json()`
             response = RestRequestsTransportResponse(request=request, internal_response=raw)
             response.read()
@@ -90,8 +106,10 @@ class FakeAzureML(HttpTransport):
         content = getattr(request, "content", None) or getattr(request, "body", None)
         body = json.loads(content) if content else None
         path, _, query = request.url.partition("?")
+        self.calls.append(Call(request.method, path.removeprefix(ARM), query, body, request.headers.get("Authorization")))
+        if path.startswith((HISTORY, BLOBS)):
+            return self._data_plane(request, path)
         path = path.removeprefix(ARM)
-        self.calls.append(Call(request.method, path, query, body, request.headers.get("Authorization")))
         for i, (method, pattern, status, error) in enumerate(self.faults):
             if method == request.method and pattern.search(path):
                 del self.faults[i]
@@ -116,5 +134,22 @@ class FakeAzureML(HttpTransport):
                                                           "message": f"Could not find asset with name {name}"}})
         if re.search(r"/workspaces/[^/]+$", path) and request.method == "GET":
             return self._respond(request, 200, {"id": path, "name": path.rsplit("/", 1)[-1], "location": "westeurope",
-                                                "properties": {"discoveryUrl": "https://westeurope.api.azureml.ms/discovery"}})
+                                                "properties": {"discoveryUrl": f"{HISTORY}/discovery"}})
         return self._respond(request, 404, {"error": {"code": "NotFound", "message": f"no route {request.method} {path}"}})
+
+    def _data_plane(self, request: Any, url: str) -> Any:
+        if url == f"{HISTORY}/discovery":
+            return self._respond(request, 200, {"api": HISTORY, "history": HISTORY, "catalog": HISTORY})
+        if m := re.search(r"/history/v1\.0/.*/runs/([^/]+)/details$", url):
+            name = m.group(1)
+            if name not in self.jobs:
+                return self._respond(request, 404, {"error": {"code": "UserError", "message": f"run {name} not found"}})
+            files = {key: f"{BLOBS}/azureml/ExperimentRun/dcid.{name}/{key}?sv=2021&sig=fake"
+                     for key in sorted(self.logs.get(name, {}))}
+            return self._respond(request, 200, {"runId": name, "status": self.jobs[name]["properties"]["status"],
+                                                "logFiles": files})
+        if m := re.search(r"/dcid\.([^/]+)/(.+)$", url):
+            text = self.logs.get(m.group(1), {}).get(m.group(2))
+            if text is not None:
+                return self._respond(request, 200, text=text)
+        return self._respond(request, 404, {"error": {"code": "NotFound", "message": f"no route {url}"}})

@@ -19,7 +19,7 @@ behaviour the backend relies on:
   hostname `<job>-<i>`, the Job's `subdomain`, `JOB_COMPLETION_INDEX` and the completion-index label;
   `set_pod_phase` plays the kubelet and the Job's status and conditions follow (Complete when every
   index succeeded; Failed with BackoffLimitExceeded past backoffLimit, deleting the other pods);
-* pod logs (`pod_logs[name]`), `fail_next(...)` to inject error statuses, and every request recorded.
+* pod logs (`pod_logs[name]`, `append_pod_log`; `follow` streams until the container terminates), `fail_next(...)` to inject error statuses, and every request recorded.
 """
 
 from __future__ import annotations
@@ -335,6 +335,8 @@ class FakeKubeAPI:
             return self._send(h, 404, _status(404, "NotFound", f'namespaces "{ns}" not found'))
         if h.command == "GET" and name is None and query.get("watch") in ("true", "True", "1"):
             return self._watch(h, kind, ns, query)
+        if h.command == "GET" and kind == "pods" and sub == "log":
+            return self._log(h, ns, name or "", query)
         with self.lock:
             code, payload, headers = self._dispatch(h.command, kind, ns, name, sub, query, body)
         if isinstance(payload, str):
@@ -353,11 +355,6 @@ class FakeKubeAPI:
         obj = self.objects.get((kind, ns, name or ""))
         if obj is None:
             return 404, _status(404, "NotFound", f'{kind} "{name}" not found'), {}
-        if method == "GET" and sub == "log":
-            lines = self.pod_logs.get(name or "", "").splitlines(keepends=True)
-            if "tailLines" in query:
-                lines = lines[-int(query["tailLines"]):] if int(query["tailLines"]) else []
-            return 200, "".join(lines), {}
         if method == "GET":
             return 200, copy.deepcopy(obj), {}
         if method == "DELETE":
@@ -479,6 +476,68 @@ class FakeKubeAPI:
                         continue
                     last = fresh[-1][0]
                     pending = [(t, copy.deepcopy(o)) for _, t, o in fresh]
+            h.wfile.write(b"0\r\n\r\n")
+            h.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def append_pod_log(self, name: str, text: str) -> None:
+        """The pod's container writes `text` (a follower sees it at once)."""
+        with self.lock:
+            self.pod_logs[name] = self.pod_logs.get(name, "") + text
+            self.changed.notify_all()
+
+    def _log(self, h: BaseHTTPRequestHandler, ns: str, name: str, query: dict[str, str]) -> None:
+        """GET .../pods/{name}/log as the API server answers it: `container` must name one of the pod's
+        containers (400 otherwise; optional for a one-container pod), a pending pod's container has no log
+yet (400, "waiting to start"), `tailLines` the last N lines; with
+        `follow` the body is streamed (chunked) as the container writes, until it terminates."""
+        with self.lock:
+            pod = self.objects.get(("pods", ns, name))
+            if pod is None:
+                return self._send(h, 404, _status(404, "NotFound", f'pods "{name}" not found'))
+            containers = [c["name"] for c in pod["spec"].get("containers", [])]
+            container = query.get("container")
+            if container is None and len(containers) != 1:
+                return self._send(h, 400, _status(400, "BadRequest", f"a container name must be specified for pod "
+                                                                    f"{name}, choose one of: {containers}"))
+            if container is not None and container not in containers:
+                return self._send(h, 400, _status(400, "BadRequest",
+                                                  f"container {container} is not valid for pod {name}"))
+            if pod.get("status", {}).get("phase", "Pending") == "Pending":
+                return self._send(h, 400, _status(400, "BadRequest", f'container "{container or containers[0]}" in pod '
+                                                                    f'"{name}" is waiting to start: ContainerCreating'))
+            lines = self.pod_logs.get(name, "").splitlines(keepends=True)
+            if "tailLines" in query:
+                lines = lines[-int(query["tailLines"]):] if int(query["tailLines"]) else []
+            sent = len(self.pod_logs.get(name, ""))
+        if query.get("follow") not in ("true", "True", "1"):
+            return self._send_text(h, 200, "".join(lines))
+        h.send_response(200)
+        h.send_header("Content-Type", "text/plain")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+        def chunk(text: str) -> None:
+            if text:
+                data = text.encode()
+                h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                h.wfile.flush()
+
+        try:
+            chunk("".join(lines))
+            while True:
+                with self.lock:
+                    text = self.pod_logs.get(name, "")
+                    current = self.objects.get(("pods", ns, name))
+                    over = current is None or current.get("status", {}).get("phase") in ("Succeeded", "Failed")
+                    if len(text) == sent and not over:
+                        self.changed.wait(0.2)
+                        continue
+                chunk(text[sent:])
+                sent = len(text)
+                if over:
+                    break
             h.wfile.write(b"0\r\n\r\n")
             h.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):

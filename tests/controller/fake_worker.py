@@ -39,7 +39,7 @@ def main() -> int:
     print(f"fake worker node {node} attempt {spec.attempt} rendezvous {spec.rendezvous.endpoint}", flush=True)
     if args.child:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-    ckpt = Path(spec.checkpoint.dir) if spec.checkpoint.dir else None
+    ckpt = Path(spec.checkpoint.dir) if spec.checkpoint else None
     start = 0
     if ckpt is not None and (ckpt / "latest").exists():
         start = int((ckpt / "latest").read_text().removeprefix("global_step"))
@@ -50,7 +50,7 @@ def main() -> int:
             print(f"node {node} failing with {args.fail_code}", flush=True)
             return args.fail_code
         print(f"step {step} loss {1.0 / step:.4f}", flush=True)
-        if node == 0 and ckpt is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
+        if node == 0 and spec.checkpoint is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
             tag = ckpt / f"global_step{step}"
             tag.mkdir(parents=True, exist_ok=True)
             (tag / "COMPLETE").write_text("")

@@ -134,11 +134,35 @@ def test_cancel_posts_the_cancel_action(fake, backend) -> None:
     assert len([c for c in fake.calls if c.method == "POST"]) == 1
 
 
-def test_logs_point_to_the_studio(fake, backend) -> None:
+def test_logs_are_read_per_node_through_the_sdks_run_history(fake, backend) -> None:
     sub = example_submission("azureml")
     backend.submit(sub)
-    with pytest.raises(BackendError, match="ml.azure.com/runs/" + sub.name):
-        backend.logs(sub.name, node=1)
+    fake.set_status(sub.name, "Running")
+    with pytest.raises(BackendError, match=f"job {sub.name} has no log for node 1"):
+        list(backend.logs(sub.name, node=1))
+    fake.append_log(sub.name, 0, "node0 step 1\n")
+    fake.append_log(sub.name, 1, "node1 step 1\nnode1 step 2\nnode1 step 3\n")
+    assert list(backend.logs(sub.name, node=1)) == ["node1 step 1\n", "node1 step 2\n", "node1 step 3\n"]
+    assert list(backend.logs(sub.name, node=1, tail=1)) == ["node1 step 3\n"]
+    assert list(backend.logs(sub.name, node=0)) == ["node0 step 1\n"]
+    # the SDK's path: the run-history details list the files, their (SAS) URLs answer the text
+    assert any(c.path.endswith(f"/runs/{sub.name}/details") for c in fake.calls)
+    with pytest.raises(BackendError, match="no job df-nope"):
+        list(backend.logs("df-nope"))
+
+
+def test_following_a_log_yields_new_lines_until_the_job_ends(fake, backend) -> None:
+    sub = example_submission("azureml")
+    backend.submit(sub)
+    fake.set_status(sub.name, "Running")
+    fake.append_log(sub.name, 0, "step 1\n")
+    backend.log_poll_s = 0.01
+    lines = backend.logs(sub.name, follow=True)
+    assert next(lines) == "step 1\n"
+    fake.append_log(sub.name, 0, "step 2\nstep 3\n")
+    assert next(lines) == "step 2\n"
+    fake.set_status(sub.name, "Completed")
+    assert list(lines) == ["step 3\n"]
 
 
 @pytest.mark.parametrize(("status", "code", "transient"), [

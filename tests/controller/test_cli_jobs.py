@@ -4,6 +4,7 @@ field paths with exit 2; where the URL and token come from."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,18 @@ def test_url_and_token_resolution_order(tmp_path: Path, monkeypatch: pytest.Monk
 def test_server_help_lists_its_options() -> None:
     result = runner.invoke(app, ["server", "--help"])
     assert result.exit_code == 0 and "--db" in result.output and "--slots" in result.output
+
+
+def test_an_engine_file_is_inlined_with_the_engines_own_reader(tmp_path: Path) -> None:
+    from deepfleet.controller.cli_jobs import load_job_document
+    from deepfleet.controller.spec import validate_job
+    from deepfleet.engine.config import load_config
+
+    (tmp_path / "ds.yaml").write_text("train_micro_batch_size_per_gpu: 1\n"
+                                      "zero_optimization: {stage: 2, reduce_bucket_size: 5e8}\n")
+    sent = json.loads(load_job_document(write_job(tmp_path, "inline", [], engine="ds.yaml")))
+    # the number YAML 1.1 would have read as the string "5e8", read as the engine reads it ...
+    assert sent["spec"]["engine"]["zero_optimization"]["reduce_bucket_size"] == 5e8
+    # ... so what the CLI accepted is what the server accepts, and means the same
+    engine = validate_job(sent).spec.engine
+    assert load_config(engine, world_size=2) == load_config(tmp_path / "ds.yaml", world_size=2)

@@ -19,7 +19,7 @@ import yaml
 
 from deepfleet.controller.backends.local import _alive, _marked
 from tests.controller.e2e_helpers import Controller, node_pids, starts, wait_phase
-from tests.controller.jobspecs import FAKE_WORKER, job_document
+from tests.controller.jobspecs import FAKE_WORKER, checkpoint_dir, job_document
 
 pytestmark = pytest.mark.e2e
 START = "fake worker node"
@@ -36,21 +36,21 @@ def test_submit_train_kill_a_worker_restart_from_checkpoint_and_cancel(db_url: s
     logs = tmp_path / "data" / "logs"
     try:
         # 1. submit over HTTP -> admitted -> two processes train -> SUCCEEDED, checkpoint written
-        ok = submit(c, "ok", ["--steps", "6", "--step-s", "0.05"], ckpt=tmp_path / "ck-ok")
+        ok = submit(c, "ok", ["--steps", "6", "--step-s", "0.05"], ckpt="ck-ok")
         job = wait_phase(c.client, ok, {"SUCCEEDED", "FAILED"})
         assert job["phase"] == "SUCCEEDED", c.client.events(ok)
         types = [e["type"] for e in c.client.events(ok)]
         assert types[:3] == ["Submitted", "Admitted", "Submitted"] and types[-1] == "Succeeded"
-        assert (tmp_path / "ck-ok" / "global_step6" / "COMPLETE").exists()
+        assert (checkpoint_dir(tmp_path / "data", ok, "ck-ok") / "global_step6" / "COMPLETE").exists()
         assert job["last_heartbeat"]["step"] == 6 and len(c.client.metrics(ok)) == 6
         assert "done" in c.client.logs(ok, node=1, tail=1)
 
         # 2. SIGKILL one worker process mid-run -> RESTARTING -> a new attempt resumes from the checkpoint
-        kill = submit(c, "kill", ["--steps", "40", "--step-s", "0.1"], ckpt=tmp_path / "ck-kill")
+        kill = submit(c, "kill", ["--steps", "40", "--step-s", "0.1"], ckpt="ck-kill")
         wait_phase(c.client, kill, {"RUNNING"})
         run0 = f"df-kill-{kill[:8]}-a0"
         deadline = time.monotonic() + 30
-        while not (tmp_path / "ck-kill" / "latest").exists() and time.monotonic() < deadline:
+        while not (checkpoint_dir(tmp_path / "data", kill, "ck-kill") / "latest").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         victims = node_pids(run0, 1, "fake_worker.py")
         assert len(victims) == 1

@@ -16,16 +16,18 @@ import pytest
 from deepfleet.controller.backends.local import _alive, _marked
 from deepfleet.controller.cli_jobs import load_job_document
 from tests.controller.e2e_helpers import Controller, wait_phase
+from tests.controller.jobspecs import checkpoint_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def gpt_job(ckpt: Path, *, steps: int, name: str) -> str:
+def gpt_job(ckpt: str, *, steps: int, name: str) -> str:
     doc = json.loads(load_job_document(ROOT / "examples" / "gpt" / "job.yaml"))
     doc["metadata"].update(name=name, project="test")
-    doc["spec"]["entrypoint"]["args"] = [f"max_steps={steps}", "num_samples=4096"]
-    doc["spec"]["checkpoint"] = {"dir": str(ckpt), "everySteps": 10, "keepLast": 2}
+    doc["spec"]["entrypoint"]["args"] = {"num_samples": 4096}
+    doc["spec"]["maxSteps"] = steps
+    doc["spec"]["checkpoint"] = {"dir": ckpt, "everySteps": 10, "keepLast": 2}
     doc["spec"]["restartPolicy"] = {"maxRestarts": 2, "backoffSeconds": 1}
     return json.dumps(doc)
 
@@ -47,26 +49,27 @@ def test_gpt_job_trains_survives_a_killed_worker_and_cancels(db_url: str, tmp_pa
     monkeypatch.setenv("DF_E2E_LOGS", str(data / "logs"))
     c = Controller(db_url, data, workdir=ROOT, heartbeat_interval=1.0)
     try:
-        job = c.client.submit(gpt_job(tmp_path / "ck", steps=50, name="gpt-kill"), content_type="application/json")
+        job = c.client.submit(gpt_job("ck", steps=50, name="gpt-kill"), content_type="application/json")
+        ck = checkpoint_dir(data, job["id"], "ck")
         wait_phase(c.client, job["id"], {"RUNNING"}, timeout=120)
         run0 = f"df-gpt-kill-{job['id'][:8]}-a0"
         deadline = time.monotonic() + 180
-        while not (tmp_path / "ck" / "latest").exists() and time.monotonic() < deadline:
+        while not (ck / "latest").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert (tmp_path / "ck" / "latest").exists(), c.client.logs(job["id"], tail=30)
+        assert (ck / "latest").exists(), c.client.logs(job["id"], tail=30)
         os.kill(worker_pid(run0, 1), signal.SIGKILL)
         restarting = wait_phase(c.client, job["id"], {"RESTARTING", "FAILED", "SUCCEEDED"}, timeout=60)
         assert restarting["phase"] == "RESTARTING", c.client.events(job["id"])
         done = wait_phase(c.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout=300)
         assert done["phase"] == "SUCCEEDED", [e["message"] for e in c.client.events(job["id"])]
         assert done["attempt"] == 1 and done["restart_counts"] == {"node_lost": 1}
-        assert (tmp_path / "ck" / "global_step50" / "COMPLETE").exists()
+        assert (ck / "global_step50" / "COMPLETE").exists()
         resumed = c.client.logs(job["id"], node=0, attempt=1)
         assert "from checkpoint global_step" in resumed and "starting at step 0/" not in resumed
         assert _marked(run0) == []
         assert any(p["loss"] is not None for p in c.client.metrics(job["id"]))
 
-        long = c.client.submit(gpt_job(tmp_path / "ck2", steps=100000, name="gpt-cancel"),
+        long = c.client.submit(gpt_job("ck2", steps=100000, name="gpt-cancel"),
                                content_type="application/json")
         wait_phase(c.client, long["id"], {"RUNNING"}, timeout=120)
         run = f"df-gpt-cancel-{long['id'][:8]}-a0"

@@ -261,7 +261,10 @@ def test_logs_per_node(fake, backend) -> None:
     sub = example_submission("kubernetes")
     backend.submit(sub)
     first, second = pods(fake, sub.name)
+    with pytest.raises(BackendError, match="waiting to start"):  # no log before the container starts
+        list(backend.logs(sub.name, node=1))
     fake.pod_logs[second["metadata"]["name"]] = "".join(f"line {i}\n" for i in range(10))
+    fake.set_pod_phase(NS, second["metadata"]["name"], "Succeeded", exit_code=0)
     assert list(backend.logs(sub.name, node=1, tail=3)) == ["line 7\n", "line 8\n", "line 9\n"]
     assert len(list(backend.logs(sub.name, node=1))) == 10
     assert list(backend.logs(sub.name, node=1, tail=2, follow=True)) == ["line 8\n", "line 9\n"]
@@ -270,6 +273,21 @@ def test_logs_per_node(fake, backend) -> None:
     assert call.query["follow"] in ("True", "true") and call.query["tailLines"] == "2" and call.query["container"] == "worker"
     with pytest.raises(BackendError, match="no pod for node 5"):
         list(backend.logs(sub.name, node=5))
+
+
+def test_following_a_pod_log_streams_until_the_container_ends(fake, backend) -> None:
+    sub = example_submission("kubernetes")
+    backend.submit(sub)
+    pod = pods(fake, sub.name)[0]["metadata"]["name"]
+    fake.set_pod_phase(NS, pod, "Running")
+    fake.append_pod_log(pod, "step 1\n")
+    lines = backend.logs(sub.name, node=0, follow=True)
+    assert next(lines) == "step 1\n"
+    fake.append_pod_log(pod, "step 2\n")  # written while the client is attached
+    assert next(lines) == "step 2\n"
+    fake.append_pod_log(pod, "done\n")
+    fake.set_pod_phase(NS, pod, "Succeeded", exit_code=0)
+    assert list(lines) == ["done\n"]  # the stream ends with the container
 
 
 def test_errors_become_backend_errors(fake, backend) -> None:

@@ -120,3 +120,34 @@ def test_cancel_removes_the_job_and_its_pods(fake, setup) -> None:
     assert fake.list("jobs", NS) == [] and fake.list("pods", NS) == [] and fake.list("services", NS) == []
     assert fake.list("secrets", NS) == []
     assert all(c.query.get("propagationPolicy") == "Background" for c in fake.calls("DELETE"))
+
+
+def test_the_api_serves_pod_logs_per_node_through_the_backend(fake, setup, tmp_path) -> None:
+    from deepfleet.controller.app import create_app
+    from deepfleet.controller.server import backend_log_reader
+    from deepfleet.controller.settings import Settings
+    from tests.controller.conftest import ADMIN_TOKEN, TestClient
+
+    rec, sessions, job_id = setup
+    job = until(rec, sessions, job_id, lambda j: len(run_pods(fake, job_id, j.current_attempt)) == 2)
+    for i, pod in enumerate(run_pods(fake, job_id, job.current_attempt)):
+        fake.set_pod_phase(NS, pod["metadata"]["name"], "Running")
+        fake.append_pod_log(pod["metadata"]["name"], f"node {i} step 1\n")
+    settings = Settings(data_dir=tmp_path, database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", migrate_on_start=False,
+                        secret="s", admin_token=ADMIN_TOKEN, admin_project="test")
+    app = create_app(settings, log_reader=backend_log_reader({"kubernetes": rec.backend}))
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    with TestClient(app) as client:
+        assert client.get(f"/v1/jobs/{job_id}/logs", params={"node": 1}, headers=auth).text == "node 1 step 1\n"
+        missing = client.get(f"/v1/jobs/{job_id}/logs", params={"node": 7}, headers=auth)
+        assert missing.status_code == 404 and "no pod for node 7" in missing.json()["detail"]
+        for pod in run_pods(fake, job_id, job.current_attempt):
+            fake.append_pod_log(pod["metadata"]["name"], "done\n")
+            fake.set_pod_phase(NS, pod["metadata"]["name"], "Succeeded", exit_code=0)
+        followed = client.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"}, headers=auth)
+        assert followed.text == "node 0 step 1\ndone\n"
+    # a run on a backend this controller does not serve says so
+    app = create_app(settings, log_reader=backend_log_reader({}))
+    with TestClient(app) as client:
+        other = client.get(f"/v1/jobs/{job_id}/logs", headers=auth)
+        assert other.status_code == 404 and "enable it in DEEPFLEET_BACKENDS" in other.json()["detail"]

@@ -11,8 +11,9 @@ import pytest
 from deepfleet.controller.backends.base import Backend, RunPhase
 from deepfleet.controller.backends.local import LocalBackend, _alive, _marked
 from deepfleet.controller.compile import compile_submission
+from deepfleet.controller.spec import validate_job
 from deepfleet.worker.spec import FailureClass
-from tests.controller.jobspecs import FAKE_WORKER, job_spec
+from tests.controller.jobspecs import FAKE_WORKER, job_document, job_spec
 
 
 def backend(tmp_path: Path) -> LocalBackend:
@@ -138,3 +139,25 @@ def test_an_elastic_run_carries_on_while_min_nodes_remain(tmp_path: Path) -> Non
     assert obs.phase is RunPhase.RUNNING and "continuing on 1 of 2 nodes" in obs.message
     obs = wait_for(be, sub.name, {RunPhase.SUCCEEDED, RunPhase.FAILED})
     assert obs.phase is RunPhase.SUCCEEDED and obs.exit_codes == {0: 0, 1: 137}
+
+
+def test_a_job_starts_from_an_empty_area_unless_it_resumes_from_a_job_of_its_project(tmp_path: Path) -> None:
+    be = backend(tmp_path)
+    first = compile_submission(job_spec("ck", args=["--steps", "4"], ckpt="ck"), job_id="aaaa000011112222",
+                               attempt=0, controller_url="http://127.0.0.1:9", secret="s")
+    be.submit(first)
+    assert wait_for(be, first.name, {RunPhase.SUCCEEDED, RunPhase.FAILED}).phase is RunPhase.SUCCEEDED
+    again = compile_submission(job_spec("ck", args=["--steps", "4"], ckpt="ck"), job_id="bbbb000011112222",
+                               attempt=0, controller_url="http://127.0.0.1:9", secret="s")
+    be.submit(again)  # the same name: its own, empty checkpoint dir
+    wait_for(be, again.name, {RunPhase.SUCCEEDED, RunPhase.FAILED})
+    assert "resuming" not in "".join(be.logs(again.name))
+    doc = job_document("ck", args=["--steps", "6"], ckpt="ck")
+    doc["spec"]["checkpoint"]["resumeFrom"] = "aaaa000011112222"
+    resumed = compile_submission(validate_job(doc), job_id="cccc000011112222", attempt=0,
+                                 controller_url="http://127.0.0.1:9", secret="s")
+    be.submit(resumed)
+    assert wait_for(be, resumed.name, {RunPhase.SUCCEEDED, RunPhase.FAILED}).phase is RunPhase.SUCCEEDED
+    assert "resuming from global_step4" in "".join(be.logs(resumed.name))
+    source = be.jobs_dir / "test" / "aaaa000011112222" / "checkpoints" / "ck"
+    assert (source / "latest").read_text().strip() == "global_step4"  # the source is left as it was

@@ -45,7 +45,7 @@ def test_killed_node_restarts_with_backoff_and_resumes_from_checkpoint(tmp_path:
     sessions = sqlite(tmp_path)
     rec = reconciler(sessions, tmp_path)
     doc = job_document("retry", args=["--steps", "6", "--fail-node", "1", "--fail-code", "137", "--fail-at-step", "4",
-                                      "--step-s", "0.1"], ckpt=tmp_path / "ckpt", backoff=30)
+                                      "--step-s", "0.1"], ckpt="ckpt", backoff=30)
     job_id = insert_job(sessions, doc)
     clock = [datetime.now(timezone.utc)]
     restarting = drive(rec, sessions, job_id, {"RESTARTING", "FAILED", "SUCCEEDED"}, now=lambda: clock[0])
@@ -167,14 +167,18 @@ def test_two_replicas_on_one_database_run_each_job_exactly_once(tmp_path: Path) 
         assert len(list(s.scalars(select(Attempt)))) == 6
 
 
-def test_a_spec_that_cannot_compile_fails_the_job_with_the_field(tmp_path: Path) -> None:
+def test_a_stored_spec_that_no_longer_validates_fails_the_job_with_one_line_per_field(tmp_path: Path) -> None:
     sessions = sqlite(tmp_path)
     rec = reconciler(sessions, tmp_path)
-    doc = job_document("factory")
-    doc["spec"]["entrypoint"] = {"factory": "examples.gpt.factories:build", "args": ["steps"]}
-    job_id = insert_job(sessions, doc)
+    job_id = insert_job(sessions, job_document("factory"))
+    with sessions() as s, s.begin():  # as an older version stored it: factory args as key=value strings
+        row = s.get(Job, job_id)
+        row.spec = {**row.spec, "spec": {**row.spec["spec"], "maxSteps": 5, "entrypoint": {
+            "factory": "examples.gpt.factories:build", "args": ["steps=3"]}}}
     final = drive(rec, sessions, job_id, {"FAILED", "SUCCEEDED"})
-    assert final.phase == "FAILED" and final.message.startswith("spec.entrypoint.args[0]: 'steps' is not key=value")
+    assert final.phase == "FAILED"
+    assert final.message == ("spec.entrypoint.args: factory args are a mapping now, not key=value strings; "
+                             "write args: {steps: 3}")
     assert events(sessions, job_id)[-1] == "InvalidSpec"
 
 

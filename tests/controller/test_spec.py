@@ -54,10 +54,45 @@ def test_elastic_nodes_and_factory_entrypoint() -> None:
     text = EXAMPLE.replace("nodes: 2", "nodes: {min: 1, max: 4}").replace(
         "{script: examples/gpt/train.py, args: [\"--steps\", \"50\"]}", "{factory: \"examples.gpt.model:build\"}"
     ).replace("processesPerNode: 1", "processesPerNode: 2")
-    spec = parse_job_yaml(text)
+    with pytest.raises(SpecError) as e:  # the managed loop needs a step budget, caught at submit
+        parse_job_yaml(text)
+    assert e.value.errors == [
+        "spec.maxSteps: a factory entrypoint needs it; set spec.maxSteps to the optimizer steps to train"]
+    spec = parse_job_yaml(text.replace("processesPerNode: 2", "processesPerNode: 2\n  maxSteps: 5"))
     assert node_bounds(spec) == (1, 4)
     assert job_world_size(spec) == 8
-    assert spec.spec.entrypoint.factory == "examples.gpt.model:build"
+    assert spec.spec.entrypoint.factory == "examples.gpt.model:build" and spec.spec.max_steps == 5
+
+
+def test_factory_args_are_a_typed_mapping_and_the_old_strings_say_the_rewrite() -> None:
+    text = EXAMPLE.replace(
+        "{script: examples/gpt/train.py, args: [\"--steps\", \"50\"]}",
+        "{factory: \"examples.gpt.model:build\", args: {d_model: 64, lr: 5e-4, tied: true}}",
+    ).replace("processesPerNode: 1", "processesPerNode: 1\n  maxSteps: 5")
+    assert parse_job_yaml(text).spec.entrypoint.args == {"d_model": 64, "lr": 5e-4, "tied": True}
+    old = text.replace("{d_model: 64, lr: 5e-4, tied: true}", "[\"max_steps=40\", \"d_model=64\"]")
+    with pytest.raises(SpecError) as e:
+        parse_job_yaml(old)
+    assert e.value.errors == ["spec.entrypoint.args: factory args are a mapping now, not key=value strings; "
+                              "write args: {d_model: 64} and move max_steps: 40 to spec.maxSteps"]
+    with pytest.raises(SpecError) as e:
+        parse_job_yaml(text.replace("d_model: 64", "max_steps: 64"))
+    assert e.value.errors == ["spec.entrypoint.args: max_steps is the job's step budget, not a factory "
+                              "argument; move it to spec.maxSteps"]
+
+
+def test_restart_policy_is_the_workers_model_with_one_set_of_defaults() -> None:
+    from deepfleet.controller.lifecycle import JobState, Phase
+    from deepfleet.worker.spec import RestartPolicy
+
+    spec = parse_job_yaml(EXAMPLE)
+    assert isinstance(spec.spec.restart_policy, RestartPolicy)
+    defaults = RestartPolicy()
+    state = JobState(phase=Phase.RUNNING)
+    assert (state.max_restarts, state.backoff_seconds, state.retry_user_errors) == (
+        defaults.max_restarts, defaults.backoff_seconds, defaults.retry_on_user_error)
+    none = parse_job_yaml(EXAMPLE.replace("maxRestarts: 3", "maxRestarts: 0"))
+    assert none.spec.restart_policy.in_place_budget == 0
 
 
 @pytest.mark.parametrize(

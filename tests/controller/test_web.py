@@ -80,5 +80,23 @@ def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, t
         wait.until(lambda d: "done" in d.find_element(By.ID, "log").text)
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#plot polyline.series-loss"))
         assert "loss" in browser.find_element(By.ID, "plot-legend").text
+        # the chart has axes with tick labels and units, and a hover value per heartbeat
+        assert browser.find_elements(By.CSS_SELECTOR, "#plot text.tick-x")
+        assert browser.find_elements(By.CSS_SELECTOR, "#plot text.tick-loss")
+        assert "optimizer step" in browser.find_element(By.ID, "plot").text
+        hover = browser.find_element(By.CSS_SELECTOR, "#plot circle.point-loss title").get_attribute("textContent")
+        assert hover.startswith("step ") and "loss" in hover
+        assert "succeeded at step 3" in browser.find_element(By.ID, "job-now").text
+
+        # an unknown job shows none of the previous job's status or events
+        browser.get(c.url + "/#/jobs/" + "0" * 32)
+        wait.until(lambda d: "no job" in d.find_element(By.ID, "job-title").text)
+        assert browser.find_element(By.ID, "job-phase").text == ""
+        assert browser.find_elements(By.CSS_SELECTOR, "#events tbody tr") == []
+        assert browser.find_element(By.ID, "log").text == ""
+
+        # the job list's Step column
+        browser.get(c.url + "/#/")
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#jobs tbody tr td.step").text == "3")
     finally:
         c.stop()

@@ -58,10 +58,14 @@ def rank_slice(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> di
     return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
 
-def zero_config(stage: int, *, bucket: int = 2000, overlap: bool = True) -> ZeroConfig:
+def zero_config(stage: int, *, bucket: int = 2000, overlap: bool = True, local_accumulation: bool = False) -> ZeroConfig:
     """Small buckets so even the tiny models span several of them."""
     return ZeroConfig(
-        stage=stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket, overlap_comm=overlap
+        stage=stage,
+        reduce_bucket_size=bucket,
+        allgather_bucket_size=bucket,
+        overlap_comm=overlap,
+        deepfleet_local_grad_accumulation=local_accumulation,
     )
 
 
@@ -73,12 +77,12 @@ def build(
     bucket: int = 2000,
     overlap: bool = True,
     seed: int = 0,
+    local_accumulation: bool = False,
 ):
     """A model, its stage-1/2 strategy and AdamW over the strategy's tensors."""
     model = make_model(kind, seed=seed)
-    strategy = STAGES[stage](
-        model, compute_dtype=dtype, zero_config=zero_config(stage, bucket=bucket, overlap=overlap)
-    )
+    config = zero_config(stage, bucket=bucket, overlap=overlap, local_accumulation=local_accumulation)
+    strategy = STAGES[stage](model, compute_dtype=dtype, zero_config=config)
     groups = strategy.optimizer_param_groups([{"params": list(model.parameters())}])
     optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=0.1)
     strategy.bind_optimizer(optimizer)

@@ -38,7 +38,7 @@ RESUME_BATCH = 6  # divisible by 2 and 3 ranks
 def _step(model, strategy, optimizer, batch, *, max_norm: float = 0.0) -> dict:
     model(batch).backward()
     overflow = strategy.finish_gradients(grad_scale=1.0)
-    grads = {n: t.grad.clone() for n, t in zip(strategy._names, strategy._opt_tensors, strict=True)}
+    grads = {n: t.grad.to_local().clone() for n, t in zip(strategy._names, strategy._opt_tensors, strict=True)}
     norm = strategy.clip_grad_norm_(max_norm)
     optimizer.step()
     strategy.after_optimizer_step()
@@ -89,13 +89,14 @@ def _layout_round_trip(rank: int, world_size: int) -> bool:
             p.view(slot.rows, slot.row_numel)[slot.local_start : slot.local_start + slot.local_rows] = (
                 src.reshape(slot.rows, slot.row_numel)[slot.local_start : slot.local_start + slot.local_rows]
             )
-        all_gather_params(bucket, group=None)
+        all_gather_params(bucket)
     return len(buckets) > 1 and all(torch.equal(p, o) for p, o in zip(params, originals, strict=True))
 
 
-def _accumulate(rank: int, world_size: int, stage: int) -> dict:
+def _accumulate(rank: int, world_size: int, stage: int, local: bool = False) -> dict:
+    """Two micro-steps; `local` is stage 2's deepfleet_local_grad_accumulation."""
     # overlap_comm off (DeepSpeed's default at stages 1/2): the step tests cover the async path
-    model, strategy, optimizer = build("gpt", stage, overlap=False)
+    model, strategy, optimizer = build("gpt", stage, overlap=False, local_accumulation=local)
     batch = rank_slice(global_batch("gpt", 2 * MICRO * world_size), rank, world_size)
     halves = [{k: v[m * MICRO : (m + 1) * MICRO] for k, v in batch.items()} for m in range(2)]
     counts = []
@@ -132,7 +133,7 @@ def _overflow(rank: int, world_size: int, stage: int) -> dict:
         )
     model(rank_slice(global_batch("gpt", MICRO * world_size), rank, world_size)).backward()
     overflow = strategy.finish_gradients(grad_scale=1.0)
-    local = [t.grad for t in strategy._opt_tensors]
+    local = [t.grad.to_local() for t in strategy._opt_tensors]
     return {"overflow": overflow, "local_finite": all(bool(torch.isfinite(g).all()) for g in local)}
 
 
@@ -151,7 +152,7 @@ def _memory(rank: int, world_size: int, stage: int) -> dict:
     optimizer.step()
     strategy.after_optimizer_step()
     tensors = strategy.model_state_tensors()
-    moments = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    moments = [v.to_local() for s in optimizer.state.values() for k, v in s.items() if k != "step"]
     return {
         "numel": sum(p.numel() for p in model.parameters()),
         "optimizer": _storage_bytes(moments),
@@ -279,6 +280,28 @@ def _groups(rank: int, world_size: int, stage: int) -> dict:
     return out
 
 
+def _own_process_group(rank: int, world_size: int, stage: int) -> dict:
+    """`odd`'s `b` is rank-local, like an expert on an expert-parallel rank: its param group carries a
+    process group of this rank alone, so it is reduced over that group (not averaged with the other
+    ranks) while the rest is data-parallel over the default group."""
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    model = make_model("odd")
+    strategy = STAGES[stage](model, compute_dtype=torch.float32, zero_config=zero_config(stage, bucket=12))
+    dense = [p for n, p in model.named_parameters() if n != "b"]
+    param_groups = [{"params": dense}, {"params": [model.b], "process_group": groups[rank]}]
+    mapped = strategy.optimizer_param_groups(param_groups)
+    optimizer = torch.optim.AdamW(mapped, lr=LR, weight_decay=0.1)
+    strategy.bind_optimizer(optimizer)
+    out = _step(
+        model, strategy, optimizer, rank_slice(global_batch("odd", MICRO * world_size), rank, world_size)
+    )
+    group_of = {id(p): g for p, g in zip(strategy._params, strategy._groups_of, strict=True)}
+    out["unmixed"] = all(group_of[id(p)] is b.group for b in strategy._reduce_buckets for p in b.params)
+    out["b_bucket_size"] = [b.world_size for b in strategy._reduce_buckets if any(p is model.b for p in b.params)]
+    out["keys"] = [sorted(k for k in g if k != "params") for g in mapped]
+    return out
+
+
 def engine_batches(world_size: int) -> list[dict[str, torch.Tensor]]:
     """Two global batches of 2 micro-steps x MICRO samples per rank."""
     return [global_batch("gpt", 2 * MICRO * world_size, seed=10 + step) for step in range(2)]
@@ -361,8 +384,11 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
             out[f"engine{stage}"] = _through_engine(rank, world_size, stage)
         else:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
+            if stage == 2:
+                out["accumulate2-local"] = _accumulate(rank, world_size, stage, local=True)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
             out[f"groups{stage}"] = _groups(rank, world_size, stage)
+            out[f"own-group{stage}"] = _own_process_group(rank, world_size, stage)
             out["reinitialized"] = _reinitialized(rank, world_size)
             out[f"fp16-{stage}"] = _fp16(rank, world_size, stage)
     for case in ("gpt", "odd", "gpt-bf16"):

@@ -153,7 +153,7 @@ def test_bfloat16_alias_and_both_spellings() -> None:
         "zero_optimization.prefetch_bucket_size: same setting as zero_optimization.stage3_prefetch_bucket_size; "
         "keep only one of them"
     ]
-    short = load_config({"train_batch_size": 1, "zero_optimization": {"max_live_parameters": 7}})
+    short = load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3, "max_live_parameters": 7}})
     assert short.zero_optimization.stage3_max_live_parameters == 7
 
 

@@ -134,11 +134,11 @@ def test_a_user_optimizer_and_scheduler_are_kept_and_regrouped() -> None:
 def test_steps_per_print_logs_loss_lr_norm_and_throughput(caplog: pytest.LogCaptureFixture) -> None:
     engine, _, loader, _ = init({"optimizer": ADAMW, "steps_per_print": 2, "wall_clock_breakdown": True},
                                 training_data=data())
-    with caplog.at_level(logging.INFO, logger="deepfleet.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="deepfleet.engine.progress"):
         for batch in list(loader)[:8]:  # 4 optimizer steps -> 2 reports
             engine.backward(engine(batch))
             engine.step()
-    lines = [r.getMessage() for r in caplog.records if r.name == "deepfleet.engine.engine"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "deepfleet.engine.progress"]
     steps = [line for line in lines if line.startswith("step ")]
     assert [line.split(" |")[0] for line in steps] == ["step 2", "step 4"]
     for key in ("loss", "lr", "grad_norm", "loss_scale", "samples/s"):

@@ -41,3 +41,44 @@ def test_stage_memory_is_a_world_fraction_of_stage_0(stage: int, world_size: int
             ideal = full / world_size if category in SHARDED[stage] else full
             got = mine[rank][category]
             assert abs(got - ideal) <= 0.10 * ideal, f"rank {rank} {category}: {got} bytes, ideal {ideal:.0f}"
+
+
+def ideal_bytes(stage: int, params: int, world_size: int) -> float:
+    """ZeRO's model-state bytes per rank for fp32 AdamW (4 bytes params, 4 grads, 8 Adam moments):
+    stage 0 replicates all (16P); stage 1 partitions the moments (4P + 4P + 8P/N); stage 2 also the
+    gradients (4P + 12P/N); stage 3 everything (16P/N)."""
+    p, n = params, world_size
+    return {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}[stage]
+
+
+# FSDP2 with gradient sync off keeps unsharded gradients through the accumulation window (measured
+# 10.6P at stage 3, gas 4, where the ideal is 8P): stage 3 must reduce-scatter on every micro-step, as
+# DeepSpeed's does, before this case can hold (zero/fsdp.py's set_gradient_sync).
+_STAGE3_ACCUMULATES_UNSHARDED = pytest.mark.xfail(
+    strict=True, reason="zero/fsdp.py accumulates unsharded gradients while gradient sync is off"
+)
+
+
+@pytest.mark.parametrize("gas", [1, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_peak_model_state_over_a_step_is_near_the_zero_ideal(
+    stage: int, gas: int, request: pytest.FixtureRequest
+) -> None:
+    """The high-water mark over each whole optimizer step (every forward, backward, micro-step boundary,
+    the optimizer step, and stage 1/2 reduce buckets while their flat buffers live), per rank at 2
+    ranks, is within 10% of the ideal. Stage 2 reduces into its gradient shards on every micro-step,
+    so accumulating 4 micro-steps holds no full gradients; its reduce buckets are bounded by
+    reduce_bucket_size (P/16 here) and released as each lands."""
+    from tests.engine.memory_runs import memory_runs
+
+    if (stage, gas) == (3, 4):
+        request.applymarker(_STAGE3_ACCUMULATES_UNSHARDED)
+    for rank, result in enumerate(memory_runs(2)):
+        run = result[(stage, gas)]
+        ideal = ideal_bytes(stage, run["params"], 2)
+        for step, peak in enumerate(run["peaks"]):
+            got = peak["bytes"]
+            assert abs(got - ideal) <= 0.10 * ideal, (
+                f"rank {rank} step {step}: peak {got} bytes ({got / run['params']:.2f}P) at "
+                f"{peak['point']}, ideal {ideal:.0f} ({ideal / run['params']:.2f}P): {peak['report']}"
+            )

@@ -16,6 +16,7 @@ from tests.engine.partitioned_cases import (
     LR,
     global_batch,
     make_model,
+    rank_slice,
     reference_run,
     reference_step,
     rows_err,
@@ -64,12 +65,19 @@ def test_one_step_matches_single_process_adamw(runs: dict, world_size: int, stag
     assert worst_param <= 1e-5, worst_param
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_accumulation_is_silent_until_the_boundary(runs: dict, stage: int) -> None:
+@pytest.mark.parametrize("case", ["1", "2", "2-local"])
+def test_accumulation_communicates_as_the_stage_says(runs: dict, case: str) -> None:
+    """Stage 1, and stage 2 with deepfleet_local_grad_accumulation, are silent until the boundary;
+    stage 2 by default (DeepSpeed's semantics) reduce-scatters every bucket on every micro-step, so
+    no full gradient outlives its bucket."""
+    stage = int(case[0])
     ref_params, ref_grads, _ = reference_step("gpt", global_batch("gpt", 2 * MICRO * 2), micro_steps=2)
-    for r in (run[f"accumulate{stage}"] for run in runs[2]):
+    for r in (run[f"accumulate{case}"] for run in runs[2]):
         first, boundary_backward, finish = r["counts"]
-        assert first == 0  # no collective while accumulating
+        if case == "2":
+            assert first == r["buckets"] > 1  # every bucket reduced during the first micro-step too
+        else:
+            assert first == 0  # no collective while accumulating
         if stage == 2:
             # every bucket is reduce-scattered during the boundary backward; finish only agrees on inf/nan
             assert boundary_backward == r["buckets"] > 1
@@ -176,3 +184,26 @@ def test_bf16_keeps_fp32_masters_close_to_fp32(runs: dict, stage: int) -> None:
             assert float((torch.as_tensor(r["masters"][name]) - ref).abs().max()) <= 2 * LR + 1e-6, name
             start, _ = r["rows"][name]
             assert rows_err(r["grad_rows"][name], ref_grads[name], start) <= 5e-2, name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_param_group_reduces_over_its_own_process_group(runs: dict, stage: int) -> None:
+    """`b` sits in a param group whose process group is its rank alone (an expert-parallel group in
+    miniature): its gradient is that rank's own, the other parameters' the data-parallel mean, and no
+    bucket mixes the two groups."""
+    world_size = 2
+    full = global_batch("odd", MICRO * world_size)
+    for rank, r in enumerate(run[f"own-group{stage}"] for run in runs[world_size]):
+        model = make_model("odd")
+        model(full).backward()
+        dense_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        local = make_model("odd")
+        local(rank_slice(full, rank, world_size)).backward()
+        grads = {**dense_grads, "b": local.b.grad.clone()}
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+        torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1).step()
+        assert r["unmixed"] and r["b_bucket_size"] == [1]
+        assert r["keys"] == [[], []]  # "process_group" is the strategy's, not the optimizer's
+        for name, p in model.named_parameters():
+            assert step_err(r["params"][name], p.detach(), grads[name]) <= 1e-5, (rank, name)

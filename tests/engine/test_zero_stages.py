@@ -55,15 +55,21 @@ def test_bf16_loss_curve_stays_close_to_fp32(stage: int, world_size: int) -> Non
 
 
 @pytest.mark.parametrize(("stage", "world_size"), STAGES)
-def test_no_gradient_collective_on_non_boundary_micro_steps(stage: int, world_size: int) -> None:
+def test_non_boundary_micro_steps_communicate_as_the_stage_says(stage: int, world_size: int) -> None:
     """Collectives are counted by the torch profiler, which records every gloo process-group op
     (`gloo:all_reduce`, `gloo:all_gather`, ...) issued during the micro-step's forward, backward and
-    step. Non-boundary micro-steps must issue no reduction (stages 0-2: nothing at all; stage 3 only
-    the parameter all-gathers that sharded parameters need to run); the boundary micro-step does
+    step. Non-boundary micro-steps must issue no reduction at stages 0 and 1 (nothing at all) and at
+    stage 3 only the parameter all-gathers that sharded parameters need to run; stage 2 reduces on
+    every micro-step (DeepSpeed's semantics; `deepfleet_local_grad_accumulation` is the opt-out,
+    tested in test_partitioned.py); the boundary micro-step does
     reduce (the positive control that the counter sees the ops)."""
     for rank, result in enumerate(run_stage(stage, world_size)):
         comm = result["fp32"]["comm"]
-        if stage < 3:
+        if stage == 2:
+            # DeepSpeed's stage 2: gradients are reduced into the shards on every micro-step (on gloo,
+            # a reduce-scatter is carried out as an all-reduce); nothing is gathered
+            assert comm["accumulate"] and set(comm["accumulate"]) == {"gloo:all_reduce"}, comm["accumulate"]
+        elif stage < 3:
             assert comm["accumulate"] == [], f"rank {rank}: {comm['accumulate']}"
         else:
             assert comm["accumulate"] and set(comm["accumulate"]) == {"gloo:all_gather"}, comm["accumulate"]

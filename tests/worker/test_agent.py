@@ -65,7 +65,7 @@ def _spec(tmp_path: Path, args: list[str], **over: object) -> dict:
                                                        *args]},
         "processes_per_node": 2,
         "rendezvous": {"port": free_port(), "last_call_timeout_s": 2, "join_timeout_s": 60},
-        "restart": {"max_restarts": 0, "monitor_interval_s": 0.2},
+        "restart": {"max_restarts": 0}, "monitor_interval_s": 0.2,
         "preemption": {"grace_period_s": 20},
     }
     data.update(over)
@@ -85,7 +85,7 @@ def test_launch_config_and_child_environment(tmp_path: Path) -> None:
                                         "is_host": False, "keep_alive_interval": 5,
                                         "keep_alive_max_attempt": 3}.items()
     assert (cfg.max_restarts, cfg.shutdown_timeout) == (0, 13)
-    env = child_environment(spec, marker=tmp_path / "m", cpu=True)
+    env = child_environment(spec, marker=tmp_path / "m", final=tmp_path / "f", cpu=True)
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["OMP_NUM_THREADS"] == "1"
     assert env["FOO"] == "bar" and env["DEEPFLEET_PREEMPTED_MARKER"] == str(tmp_path / "m")
     # the worker watches the notice file; training processes must not stop on their own
@@ -114,7 +114,7 @@ def test_sigkilled_rank_is_restarted_and_resumes_bit_exact(tmp_path: Path) -> No
     code, log = _run_worker(_spec(ref_dir, ["--steps", "5"]))
     assert code == 0, log
     crash = _spec(crash_dir, ["--steps", "5", "--fail-rank", "1", "--fail-step", "3", "--fail-how", "kill"],
-                  restart={"max_restarts": 2, "monitor_interval_s": 0.2})
+                  restart={"max_restarts": 2})
     code, log = _run_worker(crash)
     assert code == 0, log
     assert "RESUMED step=2 rank=1 restart=1" in log
@@ -182,13 +182,33 @@ def test_invalid_spec_is_one_line_and_exit_64() -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_missing_script_is_an_invalid_spec(tmp_path: Path) -> None:
-    spec = _spec(tmp_path, [])
+def test_missing_script_is_an_invalid_spec_and_never_restarted_in_place(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, [], restart={"max_restarts": 3, "in_place_restarts": 3})
     spec["entrypoint"]["script"] = str(tmp_path / "nope.py")
     spec["processes_per_node"] = 1
     code, log = _run_worker(spec)
     assert code == 64, log
-    assert "entrypoint.script:" in log
+    # one process, one failure: the elastic agent did not re-run an invalid spec
+    assert log.count("deepfleet-worker: invalid spec: entrypoint.script:") == 1, log
+    assert "the restart policy does not retry it" in log
+
+
+def test_in_place_restarts_are_capped_by_max_restarts(tmp_path: Path) -> None:
+    rdzv = {"DEEPFLEET_NNODES": "1", "DEEPFLEET_NODE_RANK": "0", "DEEPFLEET_MASTER_ADDR": "h0"}
+    for policy, expected in [({"max_restarts": 0}, 0), ({"max_restarts": 5, "in_place_restarts": 2}, 2),
+                             ({"max_restarts": 1}, 1), ({}, 3)]:
+        spec = parse_worker_spec(_spec(tmp_path, [], restart=policy), environ={})
+        assert launch_config(spec, resolve(spec, rdzv)).max_restarts == expected, policy
+
+
+@pytest.mark.e2e
+def test_a_user_error_is_not_restarted_in_place_unless_the_policy_retries_it(tmp_path: Path) -> None:
+    # The fault fires once per run: an in-place restart would succeed, so exit 65 proves there was none.
+    args = ["--steps", "3", "--fail-rank", "0", "--fail-step", "2"]
+    code, log = _run_worker(_spec(tmp_path, args, restart={"max_restarts": 2}))
+    assert code == 65 and log.count("simulated bug") >= 1 and "RESUMED" not in log, log
+    code, log = _run_worker(_spec(tmp_path / "b", args, restart={"max_restarts": 2, "retry_on_user_error": True}))
+    assert code == 0, log
 
 
 @pytest.mark.e2e
@@ -205,3 +225,22 @@ def test_sigterm_while_waiting_for_peers_exits_143(tmp_path: Path) -> None:
     code, log = _run_worker(spec, on_line=terminate_once_started, timeout=60)
     assert code == 143, log
     assert time.monotonic() - start < 30
+
+
+def test_a_script_receives_the_jobs_engine_config_checkpoint_dir_step_budget_and_heartbeat_sink(
+        tmp_path: Path) -> None:
+    from deepfleet.engine import job_env
+
+    spec = parse_worker_spec(_spec(tmp_path, [], engine_config={"train_micro_batch_size_per_gpu": 2},
+                                   checkpoint={"dir": "/ck", "every_steps": 5}, max_steps=7,
+                                   heartbeat={"url": "http://c/hb"}), environ={})
+    env = child_environment(spec, marker=tmp_path / "m", final=tmp_path / "f", cpu=True)
+    assert json.loads(job_env.engine_config(env)) == {"train_micro_batch_size_per_gpu": 2}
+    assert (job_env.checkpoint_dir(env), job_env.checkpoint_every_steps(env), job_env.max_steps(env)) == ("/ck", 5, 7)
+    assert env["DEEPFLEET_STEP_SINKS"] == "deepfleet.worker.heartbeat:step_sink"
+    # a path stays a path (the engine's reader opens it); the managed loop posts its own heartbeats
+    managed = parse_worker_spec({**_spec(tmp_path, []), "entrypoint": {"factory": "a.b:c"}, "max_steps": 3,
+                                 "engine_config": "/cfg/ds.yaml", "heartbeat": {"url": "http://c/hb"}}, environ={})
+    env = child_environment(managed, marker=tmp_path / "m", final=tmp_path / "f", cpu=True)
+    assert env["DEEPFLEET_ENGINE_CONFIG"] == "/cfg/ds.yaml" and "DEEPFLEET_STEP_SINKS" not in env
+    assert "DEEPFLEET_CHECKPOINT_DIR" not in env

@@ -4,6 +4,7 @@ and logged once per interval."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -83,3 +84,64 @@ def test_disabled_reporter_is_a_no_op() -> None:
     hb.submit(Heartbeat(step=1))
     hb.close()
     assert (hb.sent, hb.failed, hb.dropped) == (0, 0, 0)
+
+
+def _metrics(step: int, **over: object):
+    from deepfleet.engine.metrics import StepMetrics
+
+    fields = dict(step=step, rank=0, loss=1.0 / step, lr=1e-3, lrs=(1e-3,), grad_norm=0.5, loss_scale=1.0,
+                  skipped=False, skipped_steps=0, samples=8, global_samples=8 * step, tokens=100, elapsed_s=0.5)
+    return StepMetrics(**{**fields, **over})
+
+
+def test_heartbeat_sink_reads_step_metrics_and_averages_tokens_per_second(controller: Sink) -> None:
+    from deepfleet.worker.heartbeat import HeartbeatSink
+
+    now = [0.0]
+    spec = HeartbeatSpec(url=controller.url("/hb"), interval_s=10)
+    sink = HeartbeatSink(HeartbeatReporter(spec, clock=lambda: now[0]).start(), last_checkpoint=lambda: "global_step2")
+    sink(_metrics(1))  # due at once
+    sink(_metrics(2))
+    now[0] = 10.0
+    sink(_metrics(3, grad_norm=float("inf"), tokens=300, elapsed_s=1.0))  # due: covers steps 2 and 3
+    sink.reporter.close(flush_s=5)
+    beats = controller.bodies("/hb")
+    assert [b["step"] for b in beats] == [1, 3]
+    assert beats[0]["tokens_per_s"] == 200.0 and beats[1]["tokens_per_s"] == pytest.approx(400 / 1.5)
+    assert beats[1]["loss"] == pytest.approx(1 / 3) and beats[1]["lr"] == 1e-3
+    assert beats[1]["grad_norm"] is None  # an overflowed step's inf norm is not sent
+    assert beats[1]["last_complete_checkpoint"] == "global_step2"
+
+
+def test_step_sink_factory_opts_out_without_an_endpoint_or_off_rank_0() -> None:
+    from deepfleet.worker.heartbeat import step_sink
+
+    assert step_sink({}) is None
+    assert step_sink({"DEEPFLEET_HEARTBEAT_URL": "http://127.0.0.1:1/hb", "RANK": "1"}) is None
+    managed = {"job_id": "m", "entrypoint": {"factory": "pkg.mod:build"}, "max_steps": 2,
+               "heartbeat": {"url": "http://127.0.0.1:1/hb"}}
+    assert step_sink({"DEEPFLEET_WORKER_SPEC": json.dumps(managed)}) is None  # train.py posts its own
+
+
+@pytest.mark.slow
+def test_a_plain_script_posts_heartbeats_through_the_step_sink_factory(controller: Sink, tmp_path) -> None:
+    """A DeepSpeed-style script that knows nothing of the worker, launched with the environment the
+    worker gives script jobs, posts heartbeats from the engine's step seam."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "engine" / "plain_script.py"
+    spec = {"job_id": "script", "entrypoint": {"script": str(script)},
+            "heartbeat": {"url": controller.url("/jobs/script/heartbeat"), "interval_s": 0.01},
+            "checkpoint": {"dir": str(tmp_path)}}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEEPFLEET_WORKER_SPEC": json.dumps(spec),
+           "DEEPFLEET_TOKEN": "s3cret", "DEEPFLEET_STEP_SINKS": "deepfleet.worker.heartbeat:step_sink"}
+    subprocess.run([sys.executable, str(script), "5"], env=env, timeout=120, check=True, capture_output=True)
+    beats = controller.bodies("/jobs/script/heartbeat")
+    assert {a for _, a, _ in controller.received} == {"Bearer s3cret"}
+    steps = [b["step"] for b in beats]
+    assert steps[0] == 1 and steps[-1] == 5 and steps == sorted(steps), steps
+    assert all(b["loss"] > 0 and b["lr"] == 1e-2 and b["grad_norm"] > 0 for b in beats)
+    assert beats[0]["tokens_per_s"] > 0  # 4 x 6 token ids per micro-batch

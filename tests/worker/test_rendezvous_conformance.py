@@ -46,9 +46,10 @@ def local_nodes(tmp_path: Path) -> tuple[list[Rendezvous], dict]:
     while backend.observe(sub.name).phase is not RunPhase.SUCCEEDED:
         assert time.monotonic() < deadline, backend.observe(sub.name)
         time.sleep(0.05)
-    run = backend.run_dir(sub.name)
-    envs = [json.loads((run / f"node-{i}.exit.env").read_text()) for i in range(NODES)]
-    return [_resolve(e) for e in envs], json.loads((run / "state.json").read_text())
+    state = json.loads((backend.run_dir(sub.name) / "state.json").read_text())
+    status = Path(state["status_dir"])
+    envs = [json.loads((status / f"{sub.name}.node-{i}.exit.env").read_text()) for i in range(NODES)]
+    return [_resolve(e) for e in envs], state
 
 
 def kubernetes_envs(tmp_path: Path) -> tuple[list[dict[str, str]], list[dict]]:

@@ -31,7 +31,7 @@ def test_script_and_factory_entrypoints_are_told_apart_by_key() -> None:
     s = parse_worker_spec(SCRIPT, environ={})
     assert isinstance(s.entrypoint, ScriptEntrypoint) and s.entrypoint.args == ["--steps", "3"]
     f = parse_worker_spec(FACTORY, environ={})
-    assert isinstance(f.entrypoint, FactoryEntrypoint) and f.entrypoint.kwargs == {}
+    assert isinstance(f.entrypoint, FactoryEntrypoint) and f.entrypoint.args == {}
     assert (s.nodes.min, s.nodes.max, s.processes_per_node, s.rendezvous.backend) == (1, 1, 1, "c10d")
     assert s.run_id == "j1-0"
 
@@ -40,10 +40,10 @@ def test_script_and_factory_entrypoints_are_told_apart_by_key() -> None:
     ("patch", "expected"),
     [
         ({"entrypoint": {"script": "a.py", "argz": []}}, "entrypoint.argz: unknown key"),
-        ({"entrypoint": {"nothing": 1}}, 'entrypoint: needs "script"'),
+        ({"entrypoint": {"nothing": 1}}, 'entrypoint: give either {script: path'),
         ({"entrypoint": {"factory": "nocolon"}, "max_steps": 1}, "entrypoint.factory: 'nocolon' is not"),
         ({"entrypoint": {"factory": "a.b:c"}}, "max_steps: a factory entrypoint needs it"),
-        ({"nodes": {"min": 3, "max": 2}}, "nodes: min=3 is larger than max=2"),
+        ({"nodes": {"min": 3, "max": 2}}, "nodes: min (3) is greater than max (2)"),
         ({"nodes": {"min": 0}}, "nodes.min: Input should be greater than or equal to 1"),
         ({"rendezvous": {"endpoint": "nohost"}}, "rendezvous.endpoint: 'nohost' is not \"host:port\""),
         ({"rendezvous": {"backend": "etcd"}}, "rendezvous.backend: Input should be 'c10d'"),

@@ -30,14 +30,14 @@ GPT = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "vocab_size": 
 def _spec(ckpt: Path, *, sleep_s: float = 0.0, every: int = 0, **over: object) -> dict:
     data = {
         "job_id": "managed",
-        "entrypoint": {"factory": "tests.worker.managed_factories:slow_gpt", "kwargs": {**GPT, "sleep_s": sleep_s}},
+        "entrypoint": {"factory": "tests.worker.managed_factories:slow_gpt", "args": {**GPT, "sleep_s": sleep_s}},
         "engine_config": str(ROOT / "examples/gpt/ds_config.json"),
         "max_steps": MAX_STEPS,
         "log_every_steps": 1,
-        "checkpoint": {"dir": str(ckpt), "every_steps": every},
+        "checkpoint": {"dir": str(ckpt), "every_steps": every or None},
         "processes_per_node": 2,
         "rendezvous": {"port": free_port(), "last_call_timeout_s": 2, "join_timeout_s": 60},
-        "restart": {"max_restarts": 0, "monitor_interval_s": 0.2},
+        "restart": {"max_restarts": 0}, "monitor_interval_s": 0.2,
         "preemption": {"grace_period_s": 30},
     }
     data.update(over)
@@ -119,7 +119,7 @@ def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(reference: di
             os.kill(_training_pid(proc.pid, rank=1), signal.SIGKILL)  # mid-step: each forward sleeps 0.3 s
             killed.append(time.time())
 
-    spec = _spec(tmp_path / "ckpt", sleep_s=0.3, every=1, restart={"max_restarts": 2, "monitor_interval_s": 0.2})
+    spec = _spec(tmp_path / "ckpt", sleep_s=0.3, every=1, restart={"max_restarts": 2})
     code, log = _run(spec, on_line=kill_rank1_after_step_3)
     assert code == 0 and killed, log
     resumed = re.search(r"restart 1: world size 2, starting at step (\d+)/\d+ from checkpoint global_step(\d+)", log)
@@ -187,7 +187,7 @@ def test_lost_node_shrinks_the_group_and_resumes_at_the_smaller_world_size(refer
     spec = _spec(tmp_path / "ckpt", sleep_s=0.3, every=1, processes_per_node=1, nodes={"min": 1, "max": 2},
                  rendezvous={"port": port, "last_call_timeout_s": 2, "join_timeout_s": 60,
                              "keep_alive_interval_s": 1, "keep_alive_max_attempts": 2},
-                 restart={"max_restarts": 2, "monitor_interval_s": 0.2})
+                 restart={"max_restarts": 2})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DEEPFLEET_NNODES": "2",
            "DEEPFLEET_MASTER_ADDR": "127.0.0.1", "DEEPFLEET_MASTER_PORT": str(port)}
     node1 = subprocess.Popen([sys.executable, "-m", "deepfleet.worker.cli", "--spec", json.dumps(spec)], cwd=ROOT,

@@ -45,12 +45,28 @@ app.kubernetes.io/component: controller
 {{- default (printf "%s-db" (include "deepfleet.fullname" .)) .Values.database.existingSecret -}}
 {{- end -}}
 
+{{/* True (non-empty) when no external database is configured: SQLite on the chart's volume. */}}
+{{- define "deepfleet.embedded" -}}
+{{- if and (not .Values.database.existingSecret) (not .Values.database.url) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "deepfleet.dataDir" -}}/var/lib/deepfleet{{- end -}}
+
+{{- define "deepfleet.adminSecretName" -}}
+{{- default (printf "%s-admin" (include "deepfleet.fullname" .)) .Values.adminToken.existingSecret -}}
+{{- end -}}
+
 {{- define "deepfleet.dbEnv" -}}
+{{- if include "deepfleet.embedded" . }}
+- name: DEEPFLEET_DATABASE_URL
+  value: {{ printf "sqlite:///%s/deepfleet.db" (include "deepfleet.dataDir" .) | quote }}
+{{- else }}
 - name: DEEPFLEET_DATABASE_URL
   valueFrom:
     secretKeyRef:
       name: {{ include "deepfleet.dbSecretName" . }}
       key: {{ .Values.database.existingSecretKey }}
+{{- end }}
 - name: DEEPFLEET_SECRET
   valueFrom:
     secretKeyRef:
@@ -58,8 +74,18 @@ app.kubernetes.io/component: controller
       key: {{ .Values.database.jobTokenKeySecretKey }}
 {{- end -}}
 
+{{- define "deepfleet.adminEnv" -}}
+- name: DEEPFLEET_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "deepfleet.adminSecretName" . }}
+      key: {{ .Values.adminToken.existingSecretKey }}
+- name: DEEPFLEET_ADMIN_PROJECT
+  value: {{ .Values.adminToken.project | quote }}
+{{- end -}}
+
 {{- define "deepfleet.validate" -}}
-{{- if and (not .Values.database.existingSecret) (not .Values.database.url) -}}
-{{- fail "database: set database.existingSecret (a Secret holding the DB URL) or database.url" -}}
+{{- if and (include "deepfleet.embedded" .) (gt (int .Values.replicaCount) 1) -}}
+{{- fail "replicaCount: the embedded SQLite database serves one replica; set replicaCount: 1, or database.url / database.existingSecret (PostgreSQL) to run more" -}}
 {{- end -}}
 {{- end -}}

@@ -63,7 +63,7 @@ async function refreshJobs() {
       el("td", {}, el("a", { href: "#/jobs/" + j.id }, j.name)),
       el("td", {}, el("span", { class: "phase " + j.phase }, j.phase)),
       el("td", {}, j.queue), el("td", {}, j.attempt),
-      el("td", {}, j.last_heartbeat ? j.last_heartbeat.step : ""),
+      el("td", { class: "step" }, j.step == null ? "" : (j.max_steps ? `${j.step}/${j.max_steps}` : j.step)),
       el("td", {}, when(j.created_at))));
     $("#jobs tbody").replaceChildren(...rows);
     $("#jobs-status").textContent = page.total + " job(s)";
@@ -73,50 +73,126 @@ async function refreshJobs() {
 }
 
 // ---------------------------------------------------------------------------------------- one job
-function plot(points) {
+const TERMINAL = ["SUCCEEDED", "FAILED", "CANCELLED"];
+const NS = "http://www.w3.org/2000/svg";
+
+function svgEl(tag, attrs = {}, text) {
+  const node = document.createElementNS(NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+function ticks(lo, hi, n) {
+  if (hi === lo) return [lo];
+  return Array.from({ length: n + 1 }, (_, i) => lo + (i * (hi - lo)) / n);
+}
+
+function fmt(v) { return Math.abs(v) >= 1000 ? v.toFixed(0) : v.toPrecision(3); }
+
+// Loss (left axis) and throughput (right axis, tokens/s) against the optimizer step, with tick labels,
+// a dot per heartbeat whose tooltip gives its values, redrawn on every refresh (live).
+function plot(points, phase) {
   const svg = $("#plot");
-  const W = +svg.getAttribute("width"), H = +svg.getAttribute("height"), P = 36;
-  const ns = "http://www.w3.org/2000/svg";
+  const W = +svg.getAttribute("width"), H = +svg.getAttribute("height");
+  const L = 56, R = 64, T = 12, B = 36;
   svg.replaceChildren();
   const series = [
-    { key: "loss", color: "#d9480f", label: "loss" },
-    { key: "tokens_per_s", color: "#1971c2", label: "tokens/s" },
+    { key: "loss", color: "#d9480f", label: "loss", side: "left" },
+    { key: "tokens_per_s", color: "#1971c2", label: "throughput (tokens/s)", side: "right" },
   ];
   const pts = points.filter((p) => p.step != null);
-  if (pts.length === 0) { $("#plot-legend").textContent = "no heartbeats yet"; return; }
+  if (pts.length === 0) {
+    $("#plot-legend").textContent = TERMINAL.includes(phase) ? "the job posted no heartbeats" : "no heartbeats yet";
+    return;
+  }
   const steps = pts.map((p) => p.step);
-  const x0 = Math.min(...steps), x1 = Math.max(...steps) || 1;
-  const sx = (s) => P + (x1 === x0 ? 0.5 : (s - x0) / (x1 - x0)) * (W - 2 * P);
-  const axis = document.createElementNS(ns, "path");
-  axis.setAttribute("d", `M${P},${P / 2} V${H - P} H${W - P}`);
-  axis.setAttribute("stroke", "#adb5bd"); axis.setAttribute("fill", "none");
-  svg.append(axis);
+  const x0 = Math.min(...steps), x1 = Math.max(...steps);
+  const sx = (s) => L + (x1 === x0 ? 0.5 : (s - x0) / (x1 - x0)) * (W - L - R);
+  svg.append(svgEl("path", { d: `M${L},${T} V${H - B} H${W - R} V${T}`, stroke: "#adb5bd", fill: "none",
+                             class: "axes" }));
+  for (const t of ticks(x0, x1, Math.min(5, Math.max(1, x1 - x0)))) {
+    svg.append(svgEl("text", { x: sx(t), y: H - B + 14, "text-anchor": "middle", "font-size": "11",
+                               class: "tick-x" }, Math.round(t)));
+  }
+  svg.append(svgEl("text", { x: (L + W - R) / 2, y: H - 6, "text-anchor": "middle", "font-size": "11",
+                             class: "axis-label" }, "optimizer step"));
   const legend = [];
   for (const s of series) {
     const vals = pts.filter((p) => p[s.key] != null);
     if (vals.length === 0) continue;
     const ys = vals.map((p) => p[s.key]);
     const lo = Math.min(...ys), hi = Math.max(...ys);
-    const sy = (v) => H - P - (hi === lo ? 0.5 : (v - lo) / (hi - lo)) * (H - 1.5 * P);
-    const line = document.createElementNS(ns, "polyline");
-    line.setAttribute("points", vals.map((p) => `${sx(p.step).toFixed(1)},${sy(p[s.key]).toFixed(1)}`).join(" "));
-    line.setAttribute("fill", "none"); line.setAttribute("stroke", s.color); line.setAttribute("stroke-width", "2");
-    line.setAttribute("class", "series-" + s.key);
-    svg.append(line);
+    const sy = (v) => H - B - (hi === lo ? 0.5 : (v - lo) / (hi - lo)) * (H - B - T);
+    const x = s.side === "left" ? L - 4 : W - R + 4;
+    for (const t of ticks(lo, hi, 4)) {
+      svg.append(svgEl("text", { x, y: sy(t) + 4, "text-anchor": s.side === "left" ? "end" : "start",
+                                 "font-size": "10", fill: s.color, class: `tick-${s.key}` }, fmt(t)));
+    }
+    svg.append(svgEl("text", { x: s.side === "left" ? 4 : W - 4, y: T + 2, "font-size": "11", fill: s.color,
+                               "text-anchor": s.side === "left" ? "start" : "end", class: "axis-label" }, s.label));
+    svg.append(svgEl("polyline", {
+      points: vals.map((p) => `${sx(p.step).toFixed(1)},${sy(p[s.key]).toFixed(1)}`).join(" "),
+      fill: "none", stroke: s.color, "stroke-width": "2", class: "series-" + s.key }));
+    for (const p of vals) {  // hover: the heartbeat's values
+      const dot = svgEl("circle", { cx: sx(p.step).toFixed(1), cy: sy(p[s.key]).toFixed(1), r: "3", fill: s.color,
+                                    class: "point-" + s.key });
+      dot.append(svgEl("title", {}, `step ${p.step}: ${s.label} ${fmt(p[s.key])}` +
+                                    (p.time ? ` (${when(p.time)})` : "")));
+      svg.append(dot);
+    }
     const swatch = el("span", { style: `color:${s.color};font-weight:700` }, "\u25A0 ");
-    legend.push(el("span", {}, swatch,
-      `${s.label}: ${ys[ys.length - 1].toPrecision(4)} (range ${lo.toPrecision(3)}..${hi.toPrecision(3)})   `));
+    legend.push(el("span", {}, swatch, `${s.label}: ${fmt(ys[ys.length - 1])} at step ${vals[vals.length - 1].step}   `));
   }
-  const label = document.createElementNS(ns, "text");
-  label.setAttribute("x", W - P); label.setAttribute("y", H - 8); label.setAttribute("text-anchor", "end");
-  label.setAttribute("font-size", "11"); label.textContent = `step ${x0}..${x1}`;
-  svg.append(label);
-  $("#plot-legend").replaceChildren(...legend);
+  $("#plot-legend").replaceChildren(...legend, `${pts.length} heartbeat(s), steps ${x0}..${x1}`);
+}
+
+// One line saying what the job is doing now: queued behind whom, restarting because of what, progress and ETA.
+async function describeNow(job, points) {
+  const maxSteps = job.spec && job.spec.spec ? job.spec.spec.maxSteps : null;
+  const hb = job.last_heartbeat;
+  if (job.phase === "PENDING" || job.phase === "ADMITTED") {
+    if (job.phase === "ADMITTED") return "admitted; starting its processes";
+    try {
+      const page = await api("GET", "/v1/jobs?limit=100");
+      const ahead = page.items.filter((j) => j.id !== job.id && j.queue === job.queue &&
+        (["ADMITTED", "RUNNING", "RESTARTING"].includes(j.phase) ||
+         (j.phase === "PENDING" && j.created_at < job.created_at)));
+      if (ahead.length === 0) return `queued in ${job.queue}: waiting for capacity`;
+      return `queued in ${job.queue} behind ${ahead.length} job(s): ` + ahead.slice(0, 3).map((j) => `${j.name} (${j.phase})`).join(", ");
+    } catch (err) { return `queued in ${job.queue}`; }
+  }
+  if (job.phase === "RESTARTING") return `restarting: ${job.message || "after a failure"}`;
+  if (job.phase === "RUNNING") {
+    if (!hb) return `attempt ${job.attempt} running; waiting for its first heartbeat`;
+    let line = `training: step ${hb.step}` + (maxSteps ? ` of ${maxSteps}` : "");
+    const recent = points.filter((p) => p.step != null && p.time).slice(-20);
+    if (maxSteps && recent.length >= 2) {
+      const a = recent[0], b = recent[recent.length - 1];
+      const rate = (b.step - a.step) / ((new Date(b.time) - new Date(a.time)) / 1000);
+      if (rate > 0) line += `, ${rate.toFixed(2)} steps/s, about ${Math.ceil((maxSteps - hb.step) / rate)} s left`;
+    }
+    return line;
+  }
+  return `${job.phase.toLowerCase()}` + (hb ? ` at step ${hb.step}` : "") + (job.message ? `: ${job.message}` : "");
+}
+
+function clearJob(title) {
+  $("#job-title").textContent = title;
+  $("#job-phase").textContent = "";
+  $("#job-phase").className = "phase";
+  $("#job-message").textContent = "";
+  $("#job-now").textContent = "";
+  $("#events tbody").replaceChildren();
+  $("#plot").replaceChildren();
+  $("#plot-legend").textContent = "";
+  $("#log").textContent = "";
 }
 
 async function refreshJob(id) {
   try {
     const job = await api("GET", "/v1/jobs/" + id);
+    if (location.hash.split("/")[2] !== id) return;  // the user moved on while this was loading
     $("#job-title").textContent = `${job.name} (${job.id})`;
     $("#job-phase").textContent = job.phase;
     $("#job-phase").className = "phase " + job.phase;
@@ -133,7 +209,8 @@ async function refreshJob(id) {
     $("#events tbody").replaceChildren(...events.items.map((e) => el("tr", {},
       el("td", {}, when(e.time)), el("td", {}, e.attempt), el("td", {}, e.type), el("td", {}, e.message))));
     const metrics = await api("GET", `/v1/jobs/${id}/metrics`);
-    plot(metrics.points);
+    plot(metrics.points, job.phase);
+    $("#job-now").textContent = await describeNow(job, metrics.points);
     try {
       const log = await api("GET", `/v1/jobs/${id}/logs?tail=200&node=${select.value || 0}`);
       $("#log").textContent = log;
@@ -141,7 +218,7 @@ async function refreshJob(id) {
       $("#log").textContent = err.message;
     }
   } catch (err) {
-    $("#job-title").textContent = err.message;
+    clearJob(err.status === 404 ? `no job ${id} (or not in your project)` : err.message);
   }
 }
 
@@ -159,6 +236,7 @@ function route() {
   $("#home").hidden = !!onJob;
   $("#job").hidden = !onJob;
   const refresh = onJob ? () => refreshJob(parts[1]) : refreshJobs;
+  if (onJob) clearJob("loading " + parts[1] + " ...");  // never the previous job's status and events
   refresh();
   timer = setInterval(refresh, 2000);
 }

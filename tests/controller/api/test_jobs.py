@@ -95,6 +95,9 @@ def test_heartbeats_with_the_job_token_become_metrics(client, settings) -> None:
     assert [(p["step"], p["loss"]) for p in points] == [(10, 2.0), (20, 1.0)]
     detail = client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()
     assert detail["last_heartbeat"]["step"] == 20 and detail["last_heartbeat_at"]
+    # the job list carries the step too (the web page's Step column)
+    (listed,) = [j for j in client.get("/v1/jobs", headers=ADMIN).json()["items"] if j["id"] == job["id"]]
+    assert listed["step"] == 20 and listed["max_steps"] is None
     types = [e["type"] for e in client.get(f"/v1/jobs/{job['id']}/events", headers=ADMIN).json()["items"]]
     assert types == ["Submitted", "CheckpointSaved"]
     r = client.post(f"/v1/jobs/{job['id']}/failure", headers=worker,

@@ -1,0 +1,199 @@
+"""Submits under concurrency on PostgreSQL: errors and latency of concurrent and bursty submits, list/get
+latency at 10,000 jobs with concurrent readers while submits run, and /healthz latency throughout.
+
+Run alone (the full figures want a quiet machine):
+    .venv/bin/python benchmarks/controller_load.py [--database-url URL] [--concurrent 200] [--total 1000]
+        [--burst 100] [--jobs 10000] [--readers 8] [--reads 200]
+Without --database-url it starts a throwaway PostgreSQL cluster (as the tests do). The controller API
+(`create_app`, no reconciler: this measures the API) runs under uvicorn in its own process; the load
+comes from one asyncio client process. Targets: 200 concurrent submits with 0 errors and p99 < 1 s;
+1,000 in bursts of 100 with no 5xx (a 429 with Retry-After is back-pressure, counted apart); list/get
+p99 < 50 ms at 10,000 jobs with 8 readers while submits run; /healthz p99 < 100 ms in every phase.
+Prints one JSON line per phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import nullcontext
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # for tests.controller.pg and benchmarks.controller_api when run as a script
+
+from benchmarks.controller_api import ADMIN, _free_port, _fresh_database, _pct, _seed  # noqa: E402
+from deepfleet.controller.db.migrate import upgrade_head  # noqa: E402
+
+SERVER = """
+import sys, uvicorn
+from deepfleet.controller.app import create_app
+from deepfleet.controller.settings import Settings
+settings = Settings(data_dir=sys.argv[1], database_url=sys.argv[2], migrate_on_start=False,
+                    admin_token=sys.argv[3], admin_project="research")
+uvicorn.run(create_app(settings), host="127.0.0.1", port=int(sys.argv[4]), log_level="warning", access_log=False)
+"""
+JOB = """apiVersion: deepfleet/v1
+kind: TrainingJob
+metadata: {{name: load-{i}, project: research, labels: {{team: nlp}}}}
+spec:
+  backend: local
+  nodes: 2
+  entrypoint: {{script: train.py, args: ["--steps", "50"]}}
+  engine: {{train_micro_batch_size_per_gpu: 4, zero_optimization: {{stage: 2}}, optimizer: {{type: AdamW, params: {{lr: 0.001}}}}}}
+"""
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
+class Health:
+    """Samples /healthz every 20 ms on its own connection while a phase runs."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.times, self._stop = base, [], asyncio.Event()
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.base, timeout=30) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                (await c.get("/healthz")).raise_for_status()
+                self.times.append((time.perf_counter() - t0) * 1000)
+                await asyncio.sleep(0.02)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        return {"healthz_p99_ms": round(_pct(self.times, 0.99), 1) if self.times else None,
+                "healthz_samples": len(self.times)}
+
+
+async def _submit(c: httpx.AsyncClient, i: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    r = await c.post("/v1/jobs", content=JOB.format(i=i), headers={"Content-Type": "application/yaml"})
+    return r.status_code, (time.perf_counter() - t0) * 1000
+
+
+def _summary(results: list[tuple[int, float]], wall_s: float) -> dict:
+    codes = Counter(code for code, _ in results)
+    times = [t for code, t in results if code == 201]
+    return {"submits": len(results), "status": dict(codes), "errors": sum(n for c, n in codes.items() if c != 201),
+            "server_errors": sum(n for c, n in codes.items() if c >= 500),
+            "p50_ms": round(_pct(times, 0.5), 1) if times else None,
+            "p99_ms": round(_pct(times, 0.99), 1) if times else None,
+            "submits_per_s": round(codes.get(201, 0) / wall_s, 1)}
+
+
+async def _phases(base: str, args: argparse.Namespace, ids: list[str]) -> None:
+    limits = httpx.Limits(max_connections=args.concurrent + 16, max_keepalive_connections=args.concurrent + 16)
+    async with httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=120, limits=limits) as c:
+        counter = iter(range(10**9))
+
+        health = Health(base)
+        sampler = asyncio.create_task(health.run())
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_submit(c, next(counter)) for _ in range(args.concurrent)))
+        summary = _summary(results, time.perf_counter() - t0)
+        print(json.dumps({"bench": "controller_load", "phase": "concurrent_submits", **summary, **health.stop(),
+                          "target": "0 errors, p99 < 1000 ms", "ok": summary["errors"] == 0
+                          and (summary["p99_ms"] or 1e9) < 1000}), flush=True)
+        await sampler
+
+        health = Health(base)
+        sampler = asyncio.create_task(health.run())
+        results, t0 = [], time.perf_counter()
+        for _ in range(args.total // args.burst):
+            results += await asyncio.gather(*(_submit(c, next(counter)) for _ in range(args.burst)))
+        summary = _summary(results, time.perf_counter() - t0)
+        print(json.dumps({"bench": "controller_load", "phase": "burst_submits", "burst": args.burst, **summary,
+                          **health.stop(), "target": "no 5xx", "ok": summary["server_errors"] == 0}), flush=True)
+        await sampler
+
+        health = Health(base)
+        sampler = asyncio.create_task(health.run())
+        stop = asyncio.Event()
+
+        async def submitter() -> list[tuple[int, float]]:
+            out = []
+            while not stop.is_set():
+                out.append(await _submit(c, next(counter)))
+            return out
+
+        async def reader(k: int) -> dict[str, list[float]]:
+            times: dict[str, list[float]] = {"list": [], "get": []}
+            for n in range(args.reads):
+                op = "list" if n % 2 == 0 else "get"
+                t0 = time.perf_counter()
+                r = await (c.get("/v1/jobs", params={"limit": 50}) if op == "list"
+                           else c.get(f"/v1/jobs/{ids[(k * 7919 + n) % len(ids)]}"))
+                r.raise_for_status()
+                times[op].append((time.perf_counter() - t0) * 1000)
+            return times
+
+        submitting = [asyncio.create_task(submitter()) for _ in range(2)]
+        read = await asyncio.gather(*(reader(k) for k in range(args.readers)))
+        stop.set()
+        submitted = [x for task in submitting for x in await task]
+        for op in ("list", "get"):
+            times = [t for r in read for t in r[op]]
+            p99 = _pct(times, 0.99)
+            print(json.dumps({"bench": "controller_load", "phase": f"{op}_under_submits", "jobs": args.jobs,
+                              "readers": args.readers, "requests": len(times),
+                              "p50_ms": round(_pct(times, 0.5), 1), "p99_ms": round(p99, 1),
+                              "concurrent_submits_done": len(submitted),
+                              "submit_server_errors": sum(1 for code, _ in submitted if code >= 500),
+                              **({} if op == "list" else health.stop()),
+                              "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+                              "target": "p99 < 50 ms", "ok": p99 < 50}), flush=True)
+        await sampler
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--database-url", help="Admin URL of a PostgreSQL server (a database is created in it).")
+    parser.add_argument("--concurrent", type=int, default=200)
+    parser.add_argument("--total", type=int, default=1000)
+    parser.add_argument("--burst", type=int, default=100)
+    parser.add_argument("--jobs", type=int, default=10_000, help="jobs in the table before the read phase")
+    parser.add_argument("--readers", type=int, default=8)
+    parser.add_argument("--reads", type=int, default=200, help="requests per reader")
+    args = parser.parse_args(argv)
+    if args.database_url:
+        cluster = nullcontext(args.database_url)
+    else:
+        from tests.controller.pg import postgres_cluster
+
+        cluster = postgres_cluster()
+    with cluster as admin_url, tempfile.TemporaryDirectory() as tmp:
+        url = _fresh_database(admin_url)
+        upgrade_head(url)
+        ids = _seed(url, args.jobs)
+        port = _free_port()
+        server = subprocess.Popen([sys.executable, "-c", SERVER, tmp, url, ADMIN, str(port)],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(base + "/v1/jobs", headers=HEADERS, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("the controller did not start")
+                time.sleep(0.2)
+            asyncio.run(_phases(base, args, ids))
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The parallelism degrees of a run and its one `DeviceMesh`: `ParallelDims`.
+
+Built once by `engine.initialize` (`ParallelDims.from_config(cfg, world_size=...)`, then
+`build_mesh(device_type)`) and held as `engine.parallel`; everything that means "the data-parallel
+ranks" asks it (`dp_group`, `dp_size`, `dp_rank`): the batch arithmetic, the data loader, every ZeRO
+strategy (its `process_group=`, which is also the group gradient clipping reduces over), and the
+checkpoint manifest, which records `degrees()`. Nothing calls `dist.get_world_size()` to mean the
+data-parallel size.
+
+Degrees, outermost first (the mesh's dimension order, as torchtitan orders them so that the innermost,
+most communication-hungry axes get neighbouring ranks): `pp` pipeline stages, `dp_replicate` replicated
+data parallelism (HSDP's outer axis), `dp_shard` sharded data parallelism (ZeRO's axis), `sp` sequence
+parallelism (Ulysses), `tp` tensor parallelism. Their product is the world size; -1 on one of the two
+data-parallel degrees means "the rest". `ep` (expert parallelism) is not a mesh axis of its own: as in
+DeepSpeed, expert-parallel groups are carved out of the data-parallel ranks, so `ep` must divide
+`dp_replicate * dp_shard`, and the `ep` sub-mesh is the flattened `dp` axis unflattened into
+(`dp_mod_ep`, `ep`).
+
+The mesh is torch's `init_device_mesh` over all five axes, size-1 axes included (measured on gloo,
+torch 2.13: building it at 2 and 3 ranks takes ~0.1 s; slicing a size-1 axis gives a one-rank group), so
+`mesh["tp"]` exists whatever the degrees; the data-parallel sub-mesh is `_flatten("dp")` of
+(`dp_replicate`, `dp_shard`), kept here because torch deprecates re-slicing a flattened axis from the
+root mesh. Which config section sets which degree is `DEGREE_KEYS`; a later section (MoE `ep_size`,
+pipeline stages, `sequence_parallel_size`, tensor parallelism) adds its row there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
+"""The mesh's axes, outermost first."""
+
+# degree -> dotted config key that sets it. Empty today: every degree but data parallelism is 1, and
+# data parallelism takes the rest of the world. A section that asks for a degree adds its row.
+DEGREE_KEYS: dict[str, str] = {}
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of parallelism over `world_size` ranks (see the module docstring). Raises ValueError,
+    naming the degree (or its config key) and the fix, when they cannot tile the world."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    ep: int = 1
+    sp: int = 1
+    tp: int = 1
+    world_size: int = 1
+    names: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    """degree -> the config key that set it, for error messages."""
+
+    def __post_init__(self) -> None:
+        self._check()
+        self.mesh: Any = None
+        self._submeshes: dict[str, Any] = {}
+
+    # -- arithmetic ------------------------------------------------------------------------------
+
+    def _label(self, degree: str) -> str:
+        return self.names.get(degree, degree)
+
+    def _check(self) -> None:
+        ws = self.world_size
+        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+            raise ValueError(f"world_size: must be a positive integer, got {ws!r}")
+        for degree in ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp"):
+            value = getattr(self, degree)
+            rest_ok = degree in ("dp_replicate", "dp_shard")
+            if isinstance(value, bool) or not isinstance(value, int) or not (value >= 1 or (rest_ok and value == -1)):
+                allowed = "a positive integer or -1 (the rest)" if rest_ok else "a positive integer"
+                raise ValueError(f"{self._label(degree)}: must be {allowed}, got {value!r}")
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ValueError(
+                f"{self._label('dp_replicate')}: -1 on both dp_replicate and dp_shard; "
+                "give one of them a number (dp_replicate=1 for plain ZeRO)"
+            )
+        fixed = {d: getattr(self, d) for d in DIMS if getattr(self, d) != -1}
+        product = math.prod(fixed.values())
+        spelled = " * ".join(f"{d} {v}" for d, v in fixed.items())
+        rest = next((d for d in DIMS if getattr(self, d) == -1), None)
+        if rest is not None:
+            if ws % product:
+                raise ValueError(
+                    f"{self._label(rest)}: -1 (the rest) needs the world size {ws} to be a multiple of "
+                    f"{spelled} = {product}; run on a multiple of {product} ranks or lower those degrees"
+                )
+            setattr(self, rest, ws // product)
+        elif product != ws:
+            raise ValueError(
+                f"{spelled} = {product} != world_size {ws}; the degrees must multiply to the world size "
+                "(set dp_shard=-1 to give data parallelism the rest)"
+            )
+        if self.dp_size % self.ep:
+            raise ValueError(
+                f"{self._label('ep')}: {self.ep} does not divide the data-parallel size {self.dp_size} "
+                f"(dp_replicate {self.dp_replicate} * dp_shard {self.dp_shard}); expert-parallel groups are "
+                f"carved out of the data-parallel ranks, so use a divisor of {self.dp_size}"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel ranks (dp_replicate * dp_shard): what the batch is split over."""
+        return self.dp_replicate * self.dp_shard
+
+    def degrees(self) -> dict[str, int]:
+        """Every degree and the world size (what the checkpoint manifest records)."""
+        return {d: getattr(self, d) for d in ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp", "world_size")}
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, world_size: int) -> ParallelDims:
+        """The degrees the config's sections ask for (`DEGREE_KEYS`); data parallelism takes the rest.
+        Raises ValueError naming the config key when they cannot tile `world_size` ranks."""
+        given: dict[str, int] = {}
+        for degree, key in DEGREE_KEYS.items():
+            value: Any = cfg
+            for part in key.split("."):
+                value = getattr(value, part, None) if value is not None else None
+            if value is not None:
+                given[degree] = value
+        return cls(**given, world_size=world_size, names={d: DEGREE_KEYS[d] for d in given})
+
+    # -- the mesh --------------------------------------------------------------------------------
+
+    def build_mesh(self, device_type: str = "cpu") -> Any:
+        """Create the one DeviceMesh over all five axes (every rank must call it, once) and its named
+        sub-meshes; returns the mesh. Needs the default process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.mesh is not None:
+            return self.mesh
+        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
+        subs = {d: mesh[d] for d in DIMS}
+        subs["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.ep > 1:
+            split = subs["dp"]._unflatten(0, (self.dp_size // self.ep, self.ep), ("dp_mod_ep", "ep"))
+            subs["ep"], subs["dp_mod_ep"] = split["ep"], split["dp_mod_ep"]
+        self.mesh, self._submeshes = mesh, subs
+        return mesh
+
+    def submesh(self, name: str) -> Any:
+        """A named sub-mesh: one of `DIMS`, "dp" (dp_replicate x dp_shard flattened) and, with ep > 1,
+        "ep" and "dp_mod_ep". Raises KeyError for other names, RuntimeError before `build_mesh`."""
+        if self.mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not run; the engine builds it in initialize")
+        if name not in self._submeshes:
+            raise KeyError(f"no sub-mesh {name!r}; use one of {sorted(self._submeshes)}")
+        return self._submeshes[name]
+
+    @property
+    def dp_mesh(self) -> Any:
+        """The data-parallel sub-mesh (dp_replicate x dp_shard, flattened)."""
+        return self.submesh("dp")
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group: what gradients reduce over and the batch is split over."""
+        return self.dp_mesh.get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in the data-parallel group (the data loader's shard)."""
+        return self.dp_mesh.get_local_rank()

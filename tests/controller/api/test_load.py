@@ -1,0 +1,94 @@
+"""Under load and outages: the request gate answers 429 with Retry-After past its limit and never holds
+back /healthz; an unreachable database gives 503 JSON with Retry-After, logged once per outage; inputs
+PostgreSQL cannot store (NUL bytes, numbers past a column's range) are 422, never 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+
+import httpx
+import pytest
+
+from deepfleet.controller.api.load import RequestGate
+from deepfleet.controller.app import create_app
+from deepfleet.controller.settings import Settings
+from tests.controller.api.helpers import job_yaml, token, yaml_headers
+from tests.controller.conftest import ADMIN_TOKEN, TestClient
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def test_the_gate_sheds_load_with_429_and_lets_health_through() -> None:
+    release = asyncio.Event()
+    entered = []
+
+    async def slow_app(scope, receive, send) -> None:
+        entered.append(scope["path"])
+        if scope["path"] == "/v1/jobs":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    gate = RequestGate(slow_app, limit=1, queue_timeout_s=0.05)
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=gate)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            first = asyncio.create_task(c.get("/v1/jobs"))
+            while not entered:
+                await asyncio.sleep(0)
+            busy = await c.get("/v1/jobs")  # the one slot is taken: waits 0.05 s, then 429
+            health = await c.get("/healthz")  # never gated
+            nul = await c.get("/v1/jobs?name=a%00b")
+            release.set()
+            return [await first, busy, health, nul]
+
+    first, busy, health, nul = asyncio.run(scenario())
+    assert first.status_code == 200 and health.status_code == 200
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+    assert busy.json()["errors"] == ["(request): the controller is at its request limit; retry after 1 s"]
+    assert nul.status_code == 422 and "NUL" in nul.json()["errors"][0]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_database_is_503_json_logged_once(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{_closed_port()}/none?connect_timeout=1"
+    settings = Settings(data_dir=tmp_path, database_url=url, migrate_on_start=False, secret="s")
+    app = create_app(settings)
+    caplog.set_level(logging.WARNING, logger="deepfleet.controller.api")
+    with TestClient(app) as client:
+        answers = [client.get("/v1/jobs", headers=ADMIN) for _ in range(4)]
+        answers.append(client.post("/v1/jobs", content=job_yaml(), headers=yaml_headers(ADMIN)))
+        assert client.get("/healthz").status_code == 200
+    for r in answers:
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+        assert r.json()["detail"] == "database unavailable"
+    lines = [rec for rec in caplog.records if "database unavailable" in rec.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None
+
+
+def test_values_postgres_cannot_store_are_422(client, app) -> None:
+    member = token(app, project="research", role="member")
+    doc = {"apiVersion": "deepfleet/v1", "kind": "TrainingJob", "metadata": {"name": "n", "project": "research"},
+           "spec": {"entrypoint": {"script": "t.py"}, "env": {"A": "x\u0000y"}}}
+    r = client.post("/v1/jobs", content=json.dumps(doc), headers={**member, "Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["errors"] == ["(document): a value contains a NUL character; remove it"]
+    for line in ("  nodes: 100000000000000000000000000000\n", "  processesPerNode: 3000000000\n",
+                 "  restartPolicy: {backoffSeconds: .inf}\n", "  checkpoint: {dir: ck, everySteps: 99999999999999}\n",
+                 "  resources: {gpu: 4294967297}\n"):
+        body = job_yaml().replace("  nodes: 2\n", "") + line
+        r = client.post("/v1/jobs", content=body, headers=yaml_headers(member))
+        assert r.status_code == 422, (line, r.status_code, r.text)
+    for query in ("name=a%00", "label=a%3Db%00", "cursor=%00", "queue=%00"):
+        assert client.get(f"/v1/jobs?{query}", headers=member).status_code == 422, query
+    labels = "&".join(f"label=k{i}%3Dv" for i in range(17))
+    r = client.get(f"/v1/jobs?{labels}", headers=member)
+    assert r.status_code == 422 and len(r.content) < 2048
