@@ -5,7 +5,10 @@ exists, see `benchmarks/setup_deepspeed.sh`) the real DeepSpeed interleaved per 
 `--repeats` times so machine noise hits both alike. Summary lines give, per stage, deepfleet's
 model-state bytes against the ZeRO theory (fp32 AdamW: stage 0 16P, stage 1 8P+8P/N, stage 2 4P+12P/N,
 stage 3 16P/N), its step time relative to stage 0 measured in the same run, and its speed and loss
-curve against DeepSpeed's. Other benchmark scripts in this folder run after, each printing its own lines.
+curve against DeepSpeed's, in wall seconds and in CPU seconds per step (on a shared machine the CPU
+figure is the steadier one); a plain table of the same goes to stderr. The model is the 27.4M-parameter
+GPT (`--model-size 27m`); `--stages` picks stages, and unknown options go to `zero_stages.py`
+(e.g. `--steps 4 --warmup 1` for a short run). Other benchmark scripts in this folder run after, each printing its own lines.
 """
 
 from __future__ import annotations

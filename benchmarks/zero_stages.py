@@ -6,7 +6,8 @@ same model (`examples/gpt/model.py`), the same deterministic data and the same c
 identical is the porting claim; what differs is measured.
 
 One rank group per run (launch with torchrun); rank 0 prints one JSON line:
-`{"impl", "stage", "world_size", "params", "bytes": {...}, "step_time_median_s", "tokens_per_s", "losses"}`.
+`{"impl", "stage", "world_size", "params", "bytes_per_rank": [...], "step_time_median_s", "cpu_time_median_s",
+"phase_median_s": {"forward", "backward", "step"}, "tokens_per_s", "losses"}`.
 Model-state bytes are counted from tensor storages (deduplicated by storage, shards counted locally):
 for deepfleet from the strategy's own inventory (`engine.sharding.model_state_tensors()`); for both
 engines also as every tensor storage reachable from the engine object (`reachable_bytes`), which
