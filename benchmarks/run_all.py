@@ -5,7 +5,10 @@ exists, see `benchmarks/setup_deepspeed.sh`) the real DeepSpeed interleaved per 
 `--repeats` times so machine noise hits both alike. Summary lines give, per stage, deepfleet's
 model-state bytes against the ZeRO theory (fp32 AdamW: stage 0 16P, stage 1 8P+8P/N, stage 2 4P+12P/N,
 stage 3 16P/N), its step time relative to stage 0 measured in the same run, and its speed and loss
-curve against DeepSpeed's. Other benchmark scripts in this folder run after, each printing its own lines.
+curve against DeepSpeed's, in wall seconds and in CPU seconds per step (on a shared machine the CPU
+figure is the steadier one); a plain table of the same goes to stderr. The model is the 27.4M-parameter
+GPT (`--model-size 27m`); `--stages` picks stages, and unknown options go to `zero_stages.py`
+(e.g. `--steps 4 --warmup 1` for a short run). Other benchmark scripts in this folder run after, each printing its own lines.
 """
 
 from __future__ import annotations
@@ -42,23 +45,25 @@ def run_stage(impl: str, stage: int, extra: list[str]) -> dict | None:
     return json.loads(lines[-1])
 
 
-def zero_stages(repeats: int, extra: list[str]) -> None:
+def zero_stages(repeats: int, extra: list[str], *, stages: list[int]) -> None:
     impls = ["deepfleet"] + (["deepspeed"] if (DS_VENV / "bin" / "python").exists() else [])
     runs: dict[tuple[str, int], list[dict]] = {}
     for _ in range(repeats):
-        for stage in range(4):
+        for stage in stages:
             for impl in impls:
                 res = run_stage(impl, stage, extra)
                 if res:
                     print(json.dumps(res), flush=True)
                     runs.setdefault((impl, stage), []).append(res)
 
-    def med(impl: str, stage: int) -> float | None:
+    def med(impl: str, stage: int, key: str = "step_time_median_s") -> float | None:
         rs = runs.get((impl, stage))
-        return statistics.median(r["step_time_median_s"] for r in rs) if rs else None
+        return statistics.median(r[key] for r in rs) if rs else None
 
     base = med("deepfleet", 0)
-    for stage in range(4):
+    cpu_base = med("deepfleet", 0, "cpu_time_median_s")
+    table = []
+    for stage in stages:
         rs = runs.get(("deepfleet", stage))
         if not rs:
             continue
@@ -66,6 +71,7 @@ def zero_stages(repeats: int, extra: list[str]) -> None:
         states = r["bytes_per_rank"][0].get("total")
         theory = theory_bytes(stage, r["params"], r["world_size"])
         t = med("deepfleet", stage)
+        cpu = med("deepfleet", stage, "cpu_time_median_s")
         line = {
             "bench": "zero_stage_summary",
             "stage": stage,
@@ -76,6 +82,8 @@ def zero_stages(repeats: int, extra: list[str]) -> None:
             "bytes_by_category_rank0": r["bytes_per_rank"][0],
             "step_time_s": t,
             "step_time_vs_stage0": round(t / base, 3) if base else None,
+            "cpu_time_s": cpu,
+            "cpu_time_vs_stage0": round(cpu / cpu_base, 3) if cpu_base else None,
             "tokens_per_s": r["tokens_per_s"],
         }
         ds = med("deepspeed", stage)
@@ -83,10 +91,25 @@ def zero_stages(repeats: int, extra: list[str]) -> None:
             ds_run = runs[("deepspeed", stage)][0]
             line["deepspeed_step_time_s"] = ds
             line["speedup_vs_deepspeed"] = round(ds / t, 3)
+            ds_cpu = med("deepspeed", stage, "cpu_time_median_s")
+            line["deepspeed_cpu_time_s"] = ds_cpu
+            line["cpu_speedup_vs_deepspeed"] = round(ds_cpu / cpu, 3)
             line["deepspeed_reachable_bytes_rank0"] = ds_run["bytes_per_rank"][0]["reachable"]
             line["max_loss_diff_vs_deepspeed"] = max(
                 abs(a - b) for a, b in zip(r["losses"], ds_run["losses"], strict=True))
         print(json.dumps(line), flush=True)
+        table.append(line)
+    print_table(table)
+
+
+def print_table(lines: list[dict]) -> None:
+    """The step-time table (stderr, so stdout stays one JSON object per line)."""
+    head = ("stage", "deepfleet s", "vs stage 0", "DeepSpeed s", "speedup", "cpu speedup", "bytes/theory")
+    print(" | ".join(head), file=sys.stderr)
+    for ln in lines:
+        cells = (ln["stage"], ln["step_time_s"], ln["step_time_vs_stage0"], ln.get("deepspeed_step_time_s", "-"),
+                 ln.get("speedup_vs_deepspeed", "-"), ln.get("cpu_speedup_vs_deepspeed", "-"), ln["bytes_vs_theory"])
+        print(" | ".join(str(c) for c in cells), file=sys.stderr, flush=True)
 
 
 def other_benchmarks() -> None:
@@ -106,9 +129,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="Run deepfleet's benchmarks.")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--only", choices=["zero", "other"], default=None)
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=range(4))
+    ap.add_argument("--model-size", default="27m", help="passed to benchmarks/zero_stages.py")
     args, extra = ap.parse_known_args()
     if args.only in (None, "zero"):
-        zero_stages(args.repeats, extra)
+        zero_stages(args.repeats, ["--model-size", args.model_size, *extra], stages=args.stages)
     if args.only in (None, "other"):
         other_benchmarks()
 

@@ -6,7 +6,8 @@ same model (`examples/gpt/model.py`), the same deterministic data and the same c
 identical is the porting claim; what differs is measured.
 
 One rank group per run (launch with torchrun); rank 0 prints one JSON line:
-`{"impl", "stage", "world_size", "params", "bytes": {...}, "step_time_median_s", "tokens_per_s", "losses"}`.
+`{"impl", "stage", "world_size", "params", "bytes_per_rank": [...], "step_time_median_s", "cpu_time_median_s",
+"phase_median_s": {"forward", "backward", "step"}, "tokens_per_s", "losses"}`.
 Model-state bytes are counted from tensor storages (deduplicated by storage, shards counted locally):
 for deepfleet from the strategy's own inventory (`engine.sharding.model_state_tensors()`); for both
 engines also as every tensor storage reachable from the engine object (`reachable_bytes`), which
@@ -160,7 +161,7 @@ def main() -> None:
 
     data = SyntheticTokens(num_samples=args.micro_batch * world * (args.steps + args.warmup), seq_len=args.seq,
                            vocab_size=args.vocab, seed=1)
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     report: dict = {"bytes": {}}
     last = args.warmup + args.steps - 1
@@ -172,23 +173,26 @@ def main() -> None:
         lo = (step * world + rank) * args.micro_batch
         batch = torch.utils.data.default_collate([data[i] for i in range(lo, lo + args.micro_batch)])
         dist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         loss = engine(batch)
         t1 = time.perf_counter()
         engine.backward(loss)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if step == last:
             # Model states at their peak: after backward (gradients held), with optimizer state allocated.
             report["bytes"] = measure(engine, args.impl)
-        t2b = time.perf_counter()
+        t2b, c2b = time.perf_counter(), time.process_time()
         engine.step()
         dist.barrier()
         t3 = time.perf_counter()
+        c3 = time.process_time()
         avg = loss.detach().float().clone()
         dist.all_reduce(avg)
         losses.append(round(avg.item() / world, 6))
         if step >= args.warmup:
             times.append(t3 - t0 - (t2b - t2))
+            cpu_times.append(c3 - c0 - (c2b - c2))
             phases["forward"].append(t1 - t0)
             phases["backward"].append(t2 - t1)
             phases["step"].append(t3 - t2b)
@@ -209,6 +213,9 @@ def main() -> None:
             "params": n_params,
             "bytes_per_rank": gathered,
             "step_time_median_s": round(median, 5),
+            # CPU seconds of this process (all its threads, communication included) per step: on a
+            # machine shared with other work this tracks what the step costs better than wall time.
+            "cpu_time_median_s": round(statistics.median(cpu_times), 5),
             "phase_median_s": {k: round(statistics.median(v), 5) for k, v in phases.items()},
             "tokens_per_s": round(args.micro_batch * world * args.seq / median, 1),
             "losses": losses,

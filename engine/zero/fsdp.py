@@ -6,6 +6,12 @@ before it runs and freed after, and its gradients are reduce-scattered as backwa
 become `DTensor`s sharded on dim 0, so the optimizer steps on the local shards directly and the state
 dict from `get_state_dict` already has the layout `ZeroStrategy.state_dict()` promises.
 
+On gloo each unit's gradient reduce-scatter runs as a ring of point-to-point sends over FSDP2's own
+rank-major buffer (`zero/fsdp_collectives.py`), 3.5x faster than gloo's reduce-scatter. Blocks reshard
+after forward (FSDP2's default; the root stays gathered), so model states stay near the ZeRO-3 ideal of
+16P/N bytes through the step; keeping blocks gathered until backward, as DeepSpeed does at its default
+`stage3_max_reuse_distance`, would save one all-gather per block per step for 4P bytes more mid-step.
+
 16-bit training uses FSDP2's `MixedPrecisionPolicy`: the fp32 shards are the master weights, each
 all-gather casts to the compute dtype, and gradients are reduced in fp32 (gloo would sum bf16 in bf16).
 """
@@ -23,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from deepfleet.engine.blocks import blocks
+from deepfleet.engine.zero.fsdp_collectives import RingReduceScatter
 from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 
 
@@ -51,9 +58,14 @@ class FSDPStrategy:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for block in blocks(model):
+        units = blocks(model)
+        for block in units:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if dist.get_backend(self._group) == "gloo":
+            # Gloo's reduce-scatter is 3.5x slower than a ring of sends (see zero/fsdp_collectives.py).
+            for unit in [*units, model]:
+                unit.set_custom_reduce_scatter(RingReduceScatter())
         self.module = model
         self._params = dict(model.named_parameters())
         self._optimizer: torch.optim.Optimizer | None = None
