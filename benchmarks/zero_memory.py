@@ -50,23 +50,11 @@ def measure_rank(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.zero_stages import reachable_bytes
+    from benchmarks.zero_stages import reachable_bytes, start_rank
+    from examples.gpt.model import SyntheticTokens
 
-    torch.set_num_threads(1)
-    if args.impl == "deepspeed":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        import deepfleet.engine as deepspeed
-
-        deepspeed.init_distributed()
-    from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
-
+    deepspeed, cfg, model = start_rank(args)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers)
-    torch.manual_seed(0)
-    model = GPTWithLoss(cfg)
     params = sum(p.numel() for p in model.parameters())
     config = bench_config(args.stage, micro_batch=args.micro_batch, gas=args.gas, bucket=params // 16)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

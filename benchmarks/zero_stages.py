@@ -114,6 +114,28 @@ def measure(engine: object, impl: str) -> dict:
     return out
 
 
+def start_rank(args: argparse.Namespace) -> tuple[object, object, object]:
+    """One benchmark rank's start, the same for every engine and benchmark: one thread, the engine
+    module of `args.impl` (DeepSpeed or deepfleet under DeepSpeed's name) with its gloo process group,
+    and the example GPT built from `args` with seed 0. Returns (engine module, GPTConfig, model)."""
+    import torch
+
+    torch.set_num_threads(1)
+    if args.impl == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        import deepfleet.engine as deepspeed
+
+        deepspeed.init_distributed()
+    from examples.gpt.model import GPTConfig, GPTWithLoss
+
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers)
+    torch.manual_seed(0)
+    return deepspeed, cfg, GPTWithLoss(cfg)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impl", choices=["deepfleet", "deepspeed"], required=True)
@@ -139,22 +161,10 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    if args.impl == "deepspeed":
-        import deepspeed
+    from examples.gpt.model import SyntheticTokens
 
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        import deepfleet.engine as deepspeed
-
-        deepspeed.init_distributed()
-
-    from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
-
+    deepspeed, cfg, model = start_rank(args)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers)
-    torch.manual_seed(0)
-    model = GPTWithLoss(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     config = bench_config(args.stage, micro_batch=args.micro_batch, torch_adam=not args.fused_adam, bf16=args.bf16)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
