@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.controller.pg and benchmarks.controller_api when run as a script
 
-from benchmarks.controller_api import ADMIN, _free_port, _fresh_database, _pct, _seed  # noqa: E402
+from benchmarks.controller_api import ADMIN, _fresh_database, _pct, _seed  # noqa: E402
 from deepfleet.controller.db.migrate import upgrade_head  # noqa: E402
 
 SERVER = """
@@ -40,7 +41,7 @@ from deepfleet.controller.app import create_app
 from deepfleet.controller.settings import Settings
 settings = Settings(data_dir=sys.argv[1], database_url=sys.argv[2], migrate_on_start=False,
                     admin_token=sys.argv[3], admin_project="research")
-uvicorn.run(create_app(settings), host="127.0.0.1", port=int(sys.argv[4]), log_level="warning", access_log=False)
+uvicorn.run(create_app(settings), fd=int(sys.argv[4]), log_level="warning", access_log=False)
 """
 JOB = """apiVersion: deepfleet/v1
 kind: TrainingJob
@@ -174,9 +175,15 @@ def main(argv: list[str] | None = None) -> None:
         url = _fresh_database(admin_url)
         upgrade_head(url)
         ids = _seed(url, args.jobs)
-        port = _free_port()
-        server = subprocess.Popen([sys.executable, "-c", SERVER, tmp, url, ADMIN, str(port)],
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+        # The listening socket is bound here (port 0) and handed to the server process, so no other
+        # process can take the port between choosing and binding it.
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        server = subprocess.Popen([sys.executable, "-c", SERVER, tmp, url, ADMIN, str(sock.fileno())],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, pass_fds=(sock.fileno(),))
+        sock.close()  # the server holds its own copy
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
