@@ -144,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help="database URL (default sqlite:///<data-dir>/deepfleet.db; postgresql+psycopg://...)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--fd", type=int, help="serve on this inherited, already listening socket (socket activation, "
+                   "test harnesses); --host/--port then only name the controller's URL")
     p.add_argument("--data-dir", type=Path)
     p.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="local backend: processes at once")
     p.add_argument("--workdir", type=Path, help="local backend: working directory of worker processes")
@@ -198,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"deepfleet controller on http://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
           f"logs {settings.logs_root})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if args.fd is not None:
+        uvicorn.run(app, fd=args.fd, log_level="warning")
+    else:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -1,4 +1,7 @@
-"""A throwaway PostgreSQL cluster for the controller tests (initdb + pg_ctl, fsync off, random port).
+"""A throwaway PostgreSQL cluster for the controller tests (initdb + pg_ctl, fsync off).
+
+The server listens only on a Unix socket in the cluster's own private folder, so no TCP port is
+chosen and bound later (two clusters, e.g. one per test process, can never race for a port).
 
 Used by `tests/controller/conftest.py` (session fixture) and `benchmarks/controller_api.py`.
 PostgreSQL refuses to run as root, so when the tests run as root the server runs as the `postgres`
@@ -10,7 +13,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -27,12 +29,6 @@ def _pg_bin() -> Path | None:
     return Path(initdb).parent if initdb else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _as_server_user(argv: list[str]) -> list[str]:
     if os.geteuid() != 0:
         return argv
@@ -41,7 +37,7 @@ def _as_server_user(argv: list[str]) -> list[str]:
 
 @contextmanager
 def postgres_cluster() -> Iterator[str]:
-    """Start a private cluster; yield its admin URL (postgresql+psycopg://postgres@127.0.0.1:<port>/postgres)."""
+    """Start a private cluster; yield its admin URL (postgresql+psycopg://postgres@/postgres?host=<socket folder>)."""
     pg_bin = _pg_bin()
     if pg_bin is None:
         raise RuntimeError("PostgreSQL server binaries not found; install postgresql (apt-get install postgresql)")
@@ -50,13 +46,12 @@ def postgres_cluster() -> Iterator[str]:
         user = pwd.getpwnam("postgres")
         os.chown(tmp, user.pw_uid, user.pw_gid)
     data = tmp / "data"
-    port = _free_port()
     subprocess.run(
         _as_server_user([str(pg_bin / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
                          "-E", "UTF8", "--no-sync"]),
         check=True, capture_output=True, timeout=120,
     )
-    options = (f"-p {port} -k {tmp} -c listen_addresses=127.0.0.1 -c fsync=off "
+    options = (f"-k {tmp} -c listen_addresses='' -c fsync=off "
                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
     subprocess.run(
         _as_server_user([str(pg_bin / "pg_ctl"), "-D", str(data), "-l", str(tmp / "log"), "-w", "-o", options,
@@ -64,7 +59,7 @@ def postgres_cluster() -> Iterator[str]:
         check=True, capture_output=True, timeout=120,
     )
     try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+        yield f"postgresql+psycopg://postgres@/postgres?host={tmp}"
     finally:
         subprocess.run(
             _as_server_user([str(pg_bin / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
