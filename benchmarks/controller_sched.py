@@ -5,7 +5,8 @@ local backend. Prints one JSON line per measurement. Run by `make bench` (benchm
 
 - `admit_pure`: `scheduler.admit` alone over N queued jobs (mixed priorities, queues and sizes).
 - `admit_pass`: one reconciler admission pass over N PENDING rows in the database (SQLite by default,
-  `--db`/`DATABASE_URL` for PostgreSQL): read, decide, write N phase changes and N events, commit.
+  `--db`/`DATABASE_URL` for PostgreSQL): a lock-free read of N rows, decide, then at most `admit_budget`
+  phase changes and events in transactions of `admit_batch` locked rows (`admitted` is that budget).
 - `submit_to_running`: a job row inserted -> the reconciler (polling every 20 ms) submits it to the local
   backend -> the backend reports RUNNING -> the phase is committed. The worker command is a sleeping
   process so the figure is the controller's and the backend's latency, not the training start-up.
