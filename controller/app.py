@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepfleet.controller.api import health, jobs, queues, tokens, workers
+from deepfleet.controller.api import health, jobs, queues, secrets, tokens, workers
 from deepfleet.controller.api.deps import ApiError
+from deepfleet.controller.api.headers import SecurityHeaders
 from deepfleet.controller.api.load import RequestGate, install_outage_handler
 from deepfleet.controller.api.logs import LogLocator, LogReader, file_log_locator
 from deepfleet.controller.db.auth import ensure_bootstrap_token
@@ -112,8 +113,10 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
         finally:
             engine.dispose()
 
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN into the origin that holds the
+    # page's token; the document itself is served at /openapi.json (docs/controller.md).
     app = FastAPI(
-        title=API_TITLE, version=API_VERSION, lifespan=lifespan,
+        title=API_TITLE, version=API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
         description="Submit, inspect and cancel deepfleet training jobs. Every call takes "
                     "`Authorization: Bearer <token>`; a token sees only its own project.",
     )
@@ -127,12 +130,13 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
     app.state.policies = Policies.load(settings.policy_file)
     _install_error_handlers(app)
     install_outage_handler(app)
-    for module in (jobs, workers, queues, tokens, health):
+    for module in (jobs, workers, queues, tokens, secrets, health):
         app.include_router(module.router)
     # Order: the body limit runs first (outermost), so oversized requests are timed as 413s too.
     app.add_middleware(health.TimingMiddleware, metrics=app.state.metrics)
     app.add_middleware(health.BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    # Outermost: a request waits for a slot before it is read or timed.
+    # Then: a request waits for a slot before it is read or timed.
     app.add_middleware(RequestGate, limit=settings.max_inflight_requests, queue_timeout_s=settings.queue_timeout_s)
+    app.add_middleware(SecurityHeaders)  # outermost of all: every answer, the gate's 429s included
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -40,6 +40,7 @@ from deepfleet.controller import lifecycle, scheduler
 from deepfleet.controller.backends.base import Backend, BackendError, Observation, RunPhase
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
+from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
 from deepfleet.controller.spec import stored_spec
 from deepfleet.worker.spec import FailureClass, RestartPolicy
@@ -76,10 +77,13 @@ class ReconcilerConfig:
 class Reconciler:
     """Drives every job toward its desired state on one backend."""
 
-    def __init__(self, sessions: sessionmaker[Session], *, backend: Backend, config: ReconcilerConfig) -> None:
+    def __init__(self, sessions: sessionmaker[Session], *, backend: Backend, config: ReconcilerConfig,
+                 outage: Outage | None = None) -> None:
+        """`outage`: where an unreachable database is reported (the API's, so a controller logs it once)."""
         self.sessions = sessions
         self.backend = backend
         self.config = config
+        self.outage = outage or Outage()
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop: threading.Event, *, interval_s: float = 2.0, clock: Callable[[], datetime] = utcnow) -> None:
@@ -87,8 +91,13 @@ class Reconciler:
         while not stop.is_set():
             try:
                 self.reconcile_once(clock())
-            except Exception:  # best-effort loop: the next pass retries from the database
-                log.exception("reconcile pass failed")
+            except Exception as e:  # best-effort loop: the next pass retries from the database
+                if is_connection_error(e):
+                    self.outage.failed(e)  # one line per outage, not one per pass
+                else:
+                    log.exception("reconcile pass failed")
+            else:
+                self.outage.recovered()
             stop.wait(interval_s)
 
     def reconcile_once(self, now: datetime) -> None:
@@ -98,7 +107,9 @@ class Reconciler:
         for job_id in self._claim(now):
             try:
                 self._reconcile_job(job_id, now)
-            except Exception:  # one bad job must not stall the others; its claim expires and it is retried
+            except Exception as e:  # one bad job must not stall the others; its claim expires and it is retried
+                if is_connection_error(e):
+                    raise  # the database, not the job: the loop reports the outage once
                 log.exception("job %s: reconcile failed", job_id)
 
     # ------------------------------------------------------------------ leases and claims

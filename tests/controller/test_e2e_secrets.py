@@ -1,0 +1,71 @@
+"""A secret from the controller's store reaches a local job's training process (checked from inside the
+job, through the real `deepfleet-worker`) and nothing else: not the API's answers, events, logs,
+/metrics or error bodies, not the WorkerSpec, not any file the controller writes (PostgreSQL).
+Slow: a real controller process and a real worker (about 25 s on two cores)."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from deepfleet.controller.client import ApiError
+from tests.controller.e2e_helpers import Controller, wait_phase
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+VALUE = "s3cr3t-wandb-9f8e7d6c5b4a"
+DUMP = textwrap.dedent("""
+    import json, os, pathlib
+    pathlib.Path("env-seen.json").write_text(json.dumps(dict(os.environ)))
+    print("dumped", len(os.environ), "variables")
+""")
+
+
+def _job(name: str, secret: str) -> str:
+    return yaml.safe_dump({"apiVersion": "deepfleet/v1", "kind": "TrainingJob",
+                           "metadata": {"name": name, "project": "test"},
+                           "spec": {"backend": "local", "nodes": 1, "entrypoint": {"script": "dump_env.py"},
+                                    "env": {"WANDB_API_KEY": {"secret": secret}, "TEAM": "nlp"},
+                                    "restartPolicy": {"maxRestarts": 0}}})
+
+
+def test_a_stored_secret_reaches_the_training_process_and_nothing_else(db_url: str, tmp_path: Path) -> None:
+    data, code = tmp_path / "data", tmp_path / "code"
+    code.mkdir()
+    (code / "dump_env.py").write_text(DUMP)
+    c = Controller(db_url, data, workdir=code, replica="sec")
+    try:
+        c.client.set_secret("wandb", VALUE)
+        c.client.set_secret("gone", VALUE + "-gone")
+        job = c.client.submit(_job("uses-secret", "wandb"))["id"]
+        final = wait_phase(c.client, job, {"SUCCEEDED", "FAILED"}, timeout=120)
+        assert final["phase"] == "SUCCEEDED", c.client.events(job)
+        seen = json.loads((data / "jobs" / "test" / job / "work" / "env-seen.json").read_text())
+        assert seen["WANDB_API_KEY"] == VALUE and seen["TEAM"] == "nlp"
+        assert VALUE not in seen["DEEPFLEET_WORKER_SPEC"]
+
+        c.client.delete_secret("gone")
+        with pytest.raises(ApiError) as refused:  # a deleted secret is refused at submit, with a 422
+            c.client.submit(_job("again", "gone"))
+        assert refused.value.status == 422
+
+        answers = [c.client.get(job), c.client.events(job), c.client.list_jobs(), c.client.logs(job),
+                   c.client.list_secrets(), str(refused.value), httpx.get(c.url + "/metrics").text,
+                   httpx.put(c.url + "/v1/secrets/wandb", json={"value": VALUE}).text,  # no token: 401
+                   httpx.put(c.url + "/v1/secrets/wandb", json={"value": VALUE, "x": 1},
+                             headers={"Authorization": f"Bearer {c.client._http.headers['Authorization'][7:]}"}).text]
+        blob = json.dumps(answers, default=str)
+        assert VALUE not in blob and "-gone" not in blob
+    finally:
+        c.stop()
+    job_file = data / "jobs" / "test" / job / "work" / "env-seen.json"
+    for root, _, files in os.walk(data):  # logs, state files, the controller's log: the job's own dump only
+        for name in files:
+            path = Path(root) / name
+            if path != job_file:
+                assert VALUE.encode() not in path.read_bytes(), path
