@@ -1,4 +1,5 @@
-"""A secret from the controller's store reaches a local job's training process (checked from inside the
+"""A secret set with `deepfleet secret set` (value from standard input or a file, listed by name only,
+deleted with `deepfleet secret rm`) reaches a local job's training process (checked from inside the
 job, through the real `deepfleet-worker`) and nothing else: not the API's answers, events, logs,
 /metrics or error bodies, not the WorkerSpec, not any file the controller writes (PostgreSQL).
 Slow: a real controller process and a real worker (about 25 s on two cores)."""
@@ -13,7 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from deepfleet.controller.cli import app
 from deepfleet.controller.client import ApiError
 from tests.controller.conftest import ADMIN_TOKEN
 from tests.controller.e2e_helpers import Controller, wait_phase
@@ -35,14 +38,24 @@ def _job(name: str, secret: str) -> str:
                                     "restartPolicy": {"maxRestarts": 0}}})
 
 
-def test_a_stored_secret_reaches_the_training_process_and_nothing_else(db_url: str, tmp_path: Path) -> None:
+def test_a_stored_secret_reaches_the_training_process_and_nothing_else(db_url: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     data, code = tmp_path / "data", tmp_path / "code"
     code.mkdir()
     (code / "dump_env.py").write_text(DUMP)
     c = Controller(db_url, data, workdir=code, replica="sec")
+    monkeypatch.setenv("DEEPFLEET_URL", c.url)
+    monkeypatch.setenv("DEEPFLEET_API_TOKEN", ADMIN_TOKEN)
+    cli = CliRunner()
     try:
-        c.client.set_secret("wandb", VALUE)
-        c.client.set_secret("gone", VALUE + "-gone")
+        (tmp_path / "gone.txt").write_text(VALUE + "-gone\n")
+        for argv, stdin in ((["secret", "set", "wandb"], VALUE + "\n"),
+                            (["secret", "set", "gone", "--from-file", str(tmp_path / "gone.txt")], None)):
+            result = cli.invoke(app, argv, input=stdin)
+            assert result.exit_code == 0 and VALUE not in result.output, result.output
+        listed = cli.invoke(app, ["secret", "ls"])
+        assert [line.split()[0] for line in listed.output.splitlines()] == ["gone", "wandb"]
+        assert VALUE not in listed.output
         job = c.client.submit(_job("uses-secret", "wandb"))["id"]
         final = wait_phase(c.client, job, {"SUCCEEDED", "FAILED"}, timeout=120)
         assert final["phase"] == "SUCCEEDED", c.client.events(job)
@@ -50,7 +63,8 @@ def test_a_stored_secret_reaches_the_training_process_and_nothing_else(db_url: s
         assert seen["WANDB_API_KEY"] == VALUE and seen["TEAM"] == "nlp"
         assert VALUE not in seen["DEEPFLEET_WORKER_SPEC"]
 
-        c.client.delete_secret("gone")
+        assert cli.invoke(app, ["secret", "rm", "gone"]).output == "secret gone deleted\n"
+        assert cli.invoke(app, ["secret", "rm", "gone"]).exit_code == 2  # 404: one line, exit 2
         with pytest.raises(ApiError) as refused:  # a deleted secret is refused at submit, with a 422
             c.client.submit(_job("again", "gone"))
         assert refused.value.status == 422
