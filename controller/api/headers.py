@@ -1,7 +1,7 @@
 """Security headers on every response of the controller (API, web page, errors, 429/413 answers).
 
-Installed by `create_app` as the outermost middleware, so answers made by the other middlewares get the
-headers too. The page (`controller/api/static/`) has no inline script or style attribute and loads
+Installed by `create_app` around the whole middleware stack (Starlette's error middleware included), so
+answers made by the other middlewares, and a 500, get the headers too. The page (`controller/api/static/`) has no inline script or style attribute and loads
 nothing from another origin, so the policy allows only its own files: `script-src 'self'`, no
 `unsafe-inline`. `frame-ancestors 'none'` (and X-Frame-Options for older browsers) stops framing
 (clickjacking); `nosniff` stops a JSON or log answer being run as a script; no Referer leaves the page.

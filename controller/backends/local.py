@@ -10,7 +10,8 @@ directory `<logs_dir>/<name>/` (the controller's own) holds `state.json` (pids, 
 This backend runs user code on the controller's host. What keeps a job to itself (see
 `controller.confine` and docs/security.md):
 - a clean environment: only the worker contract (`DEEPFLEET_WORKER_SPEC`, the job-scoped token, the
-  rendezvous variables), the job's own `env` (inside the WorkerSpec) and `PATH`/`LANG`-style
+  rendezvous variables), the job's own `env` (plain values inside the WorkerSpec; secret references
+  resolved through `secrets` straight into the processes' environment) and `PATH`/`LANG`-style
   variables listed in `env_passthrough`; nothing of the controller's own environment (database URL,
   admin token, signing key) reaches it;
 - its own session, and, when the controller runs as root, an unprivileged user (`run_as`);

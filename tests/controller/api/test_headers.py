@@ -41,6 +41,19 @@ def test_every_kind_of_answer_carries_the_headers(served) -> None:
         assert {k: r.headers.get(k) for k in EXPECTED} == EXPECTED, what
 
 
+def test_even_an_unhandled_error_carries_the_headers(settings) -> None:
+    app = create_app(settings)
+
+    @app.get("/boom")
+    def boom() -> None:
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/boom")
+    app.state.engine.dispose()
+    assert r.status_code == 500 and {k: r.headers.get(k) for k in EXPECTED} == EXPECTED
+
+
 def test_no_documentation_page_loads_scripts_from_a_cdn(served) -> None:
     assert served.get("/docs").status_code == 404 and served.get("/redoc").status_code == 404
     assert served.get("/openapi.json").json()["info"]["title"] == "deepfleet controller"
