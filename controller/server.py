@@ -33,6 +33,7 @@ from deepfleet.controller.app import create_app
 from deepfleet.controller.backends.base import Backend, BackendError
 from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.controller.confine import closed_ancestor
+from deepfleet.controller.db import secrets as secret_store
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
 from deepfleet.controller.scheduler import UNLIMITED, Limit
 from deepfleet.controller.settings import Settings, SettingsError
@@ -109,12 +110,15 @@ def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker
     enabled = backends(settings, slots=slots, workdir=workdir, worker_command=worker_command)
     app = create_app(settings, log_reader=backend_log_reader({b.name: b for b, _ in enabled}))
     app.include_router(web.router)
+    for backend, _ in enabled:  # local jobs' secret references read the store in the app's database
+        if isinstance(backend, LocalBackend):
+            backend.secrets = secret_store.resolver(app.state.sessions, key_material=settings.secret.get_secret_value())
     reconcilers = [
         Reconciler(app.state.sessions, backend=backend, config=ReconcilerConfig(
             replica_id=settings.replica_id, controller_url=settings.controller_url,
             secret=settings.secret.get_secret_value(), backend_name=backend.name, capacity=capacity,
             lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
-        ))
+        ), outage=app.state.outage)
         for backend, capacity in enabled
     ]
     inner = app.router.lifespan_context
