@@ -1,4 +1,7 @@
-"""A throwaway PostgreSQL cluster for the controller tests (initdb + pg_ctl, fsync off, random port).
+"""A throwaway PostgreSQL cluster for the controller tests (initdb + pg_ctl, fsync off).
+
+The server listens only on a Unix socket in the cluster's own private folder, so no TCP port is
+chosen and bound later (two clusters, e.g. one per test process, can never race for a port).
 
 Used by `tests/controller/conftest.py` (session fixture) and `benchmarks/controller_api.py`.
 PostgreSQL refuses to run as root, so when the tests run as root the server runs as the `postgres`
