@@ -41,8 +41,10 @@ demo: install
 test: install
 	bash .ci/test.sh $(PYTEST_ARGS)
 
+# The fast run spreads test files over one process per core (pytest-xdist; a file's tests stay together,
+# so module fixtures are built once). `make test` stays in one process.
 test-fast: install
-	bash .ci/test.sh -m "not slow" $(PYTEST_ARGS)
+	bash .ci/test.sh -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
 # import-linter sees the mapped `deepfleet.*` packages only as a real tree on disk (the editable
 # install maps them virtually), so lint a fresh non-editable install of the checkout. It runs from

@@ -44,9 +44,12 @@ def main() -> int:
     if ckpt is not None and (ckpt / "latest").exists():
         start = int((ckpt / "latest").read_text().removeprefix("global_step"))
         print(f"resuming from global_step{start}", flush=True)
+    # The injected failure happens even when this node started late and resumed past its step from a
+    # checkpoint the other nodes wrote meanwhile (it then fails at its first step, or at once).
+    fails = node == args.fail_node and spec.attempt == args.fail_attempt
     for step in range(start + 1, args.steps + 1):
         time.sleep(args.step_s)
-        if node == args.fail_node and spec.attempt == args.fail_attempt and step == args.fail_at_step:
+        if fails and step >= args.fail_at_step:
             print(f"node {node} failing with {args.fail_code}", flush=True)
             return args.fail_code
         print(f"step {step} loss {1.0 / step:.4f}", flush=True)
@@ -67,6 +70,9 @@ def main() -> int:
                 urllib.request.urlopen(req, timeout=2).close()
             except OSError as e:  # heartbeats are best effort, like the real worker's
                 print(f"heartbeat failed: {e}", flush=True)
+    if fails:
+        print(f"node {node} failing with {args.fail_code}", flush=True)
+        return args.fail_code
     print("done", flush=True)
     return args.exit
 

@@ -40,6 +40,7 @@ def saved(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     return root, full
 
 
+@pytest.mark.slow
 def test_export_fp32_equals_full_state_dict(saved, tmp_path: Path) -> None:
     root, full = saved
     # A small budget forces many partial loads: the whole model is never in memory at once.
@@ -81,6 +82,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_inspect_and_export(saved, tmp_path: Path) -> None:
     root, full = saved
     listing = _cli("inspect", str(root), "--json")
@@ -117,6 +119,7 @@ def test_main_cli_forwards_checkpoint_commands(saved) -> None:
     assert help_text.returncode == 0 and "export" in help_text.stdout and "inspect" in help_text.stdout
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     missing = _cli("inspect", str(tmp_path / "nope"))
     assert missing.returncode == 2

@@ -130,13 +130,14 @@ def test_save_writes_complete_step_with_manifest(saved) -> None:
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt", "engine_state.pt"} <= on_disk
 
 
-@pytest.mark.parametrize("world,wrap", [(1, "fsdp"), (3, "fsdp"), (2, "ddp")])
+@pytest.mark.parametrize("world,wrap", [(1, "fsdp"), pytest.param(3, "fsdp", marks=pytest.mark.slow), (2, "ddp")])
 def test_load_reshards_and_training_continues_identically(saved, world: int, wrap: str) -> None:
     root, after = saved
     resumed = spawn(_load_rank, world, str(root), wrap)[0]
     assert resumed == pytest.approx(after, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_async_save_equals_sync_save(saved, tmp_path: Path) -> None:
     root, after = saved
     after_async = spawn(_save_rank, 2, str(tmp_path), True)[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.spawn import spawn
@@ -57,6 +58,7 @@ def _saves(rank: int, world: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_save_16bit_model_writes_the_same_plain_state_dict_at_every_stage(tmp_path: Path) -> None:
     from examples.gpt.model import GPTConfig, GPTWithLoss
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.spawn import spawn
@@ -64,6 +65,7 @@ def deepspeed_script(rank: int, world_size: int, ckpt_dir: str, config_path: str
     }
 
 
+@pytest.mark.slow
 def test_deepspeed_script_trains_checkpoints_and_resumes_on_two_ranks(tmp_path) -> None:
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(DS_CONFIG))

@@ -53,12 +53,13 @@ def _refuses_bad_input(rank: int, world: int) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ring_reduce_scatter_equals_torch_reduce_scatter(world_size: int) -> None:
     results = spawn(_reduce_scatter_matches, world_size)
     assert all(len(r) == 2 * len(SIZES) for r in results)
 
 
+@pytest.mark.slow
 def test_ring_reduce_scatter_refuses_a_mis_sized_input() -> None:
     assert spawn(_refuses_bad_input, 2) == ["reduce-scatter input has 7 elements, expected 2 x 3"] * 2
 
@@ -94,6 +95,7 @@ def _train(rank: int, world: int, custom: bool) -> dict:
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp_training_with_ring_reduce_scatter_equals_default(world_size: int) -> None:
     import torch

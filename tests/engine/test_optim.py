@@ -231,6 +231,7 @@ def _sharded_vs_full(rank: int, world_size: int) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_dtensor_shards_step_like_the_full_parameter() -> None:
     from tests.spawn import spawn
 

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).with_name("plain_script.py")
 
 
+@pytest.mark.slow
 def test_a_plain_script_prints_the_progress_line_without_logging_configured() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DEEPFLEET_STEP_SINKS", None)

@@ -18,7 +18,9 @@ from tests.engine.optimizer_runs import PLAN, optimizer_runs
 from tests.engine.zero_runs import make_model
 
 CASES = [
-    pytest.param(world_size, name, stage, id=f"ws{world_size}-{name}-stage{stage}")
+    # the 3-rank runs are slow; 2 ranks cover every optimizer at every stage in the fast run
+    pytest.param(world_size, name, stage, id=f"ws{world_size}-{name}-stage{stage}",
+                 marks=[pytest.mark.slow] if world_size > 2 else [])
     for world_size, (names, stages) in PLAN.items()
     for name in names
     for stage in stages

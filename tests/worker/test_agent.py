@@ -127,7 +127,8 @@ def test_sigkilled_rank_is_restarted_and_resumes_bit_exact(tmp_path: Path) -> No
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("how", "expected"), [("raise", 65), ("oom", 77), ("exit3", 65)])
+@pytest.mark.parametrize(("how", "expected"), [("raise", 65), pytest.param("oom", 77, marks=pytest.mark.slow),
+                                             pytest.param("exit3", 65, marks=pytest.mark.slow)])
 def test_training_failures_map_to_exit_codes(tmp_path: Path, how: str, expected: int) -> None:
     code, log = _run_worker(_spec(tmp_path, ["--steps", "3", "--fail-rank", "0", "--fail-step", "2",
                                              "--fail-how", how]))
@@ -159,6 +160,7 @@ def test_sigterm_stops_at_a_step_boundary_with_exit_75_and_resumes(tmp_path: Pat
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_notice_file_preempts_with_exit_75(tmp_path: Path) -> None:
     notice = tmp_path / "notice"
 
@@ -202,6 +204,7 @@ def test_in_place_restarts_are_capped_by_max_restarts(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_user_error_is_not_restarted_in_place_unless_the_policy_retries_it(tmp_path: Path) -> None:
     # The fault fires once per run: an in-place restart would succeed, so exit 65 proves there was none.
     args = ["--steps", "3", "--fail-rank", "0", "--fail-step", "2"]
@@ -212,6 +215,7 @@ def test_a_user_error_is_not_restarted_in_place_unless_the_policy_retries_it(tmp
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_sigterm_while_waiting_for_peers_exits_143(tmp_path: Path) -> None:
     """No training process has started (the rendezvous waits for a second node), so nothing can be
     checkpointed: the worker reports the signal, not a resumable preemption."""

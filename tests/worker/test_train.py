@@ -164,6 +164,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_without_losing_a_step(referenc
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_failing_factory_exits_65_and_reports(tmp_path: Path) -> None:
     with running_sink() as sink:
         spec = _spec(tmp_path / "ckpt", processes_per_node=1,

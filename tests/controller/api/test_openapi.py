@@ -3,6 +3,7 @@ generated request, authenticated or not)."""
 
 from __future__ import annotations
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -28,6 +29,7 @@ def test_openapi_snapshot(app) -> None:
 SEMANTIC_422 = {"POST /v1/jobs", "GET /v1/jobs"}
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_pass_every_schemathesis_check(client) -> None:
     # Hypothesis strategies per operation rather than `schemathesis.pytest.from_fixture`, whose lazy
     # parametrization does not run under the pytest version this project pins.
