@@ -120,6 +120,8 @@ def quantize_decoder(decoder: Decoder, *, bits: int, group_size: int = 64) -> De
             module = getattr(layer, name)
             if type(module) is nn.Linear:
                 setattr(layer, name, quantize_linear(module, bits=bits, group_size=group_size))
+            elif type(getattr(module, "linear", None)) is nn.Linear:  # a tensor-parallel row shard
+                module.linear = quantize_linear(module.linear, bits=bits, group_size=group_size)
     head = decoder.head
     if type(head) is nn.Linear and head.weight is not getattr(decoder.embed, "weight", None):
         decoder.head = quantize_linear(head, bits=bits, group_size=group_size)
