@@ -24,7 +24,7 @@ class KVCache:
         self.slots, self.max_tokens = slots, max_tokens
         self.layers: list[tuple[Tensor, Tensor]] = []
         for layer in decoder.layers:
-            kv_heads = _out_features(layer.k) // layer.head_dim
+            kv_heads = layer.kv_width() // layer.head_dim
             shape = (slots, kv_heads, max_tokens, layer.head_dim)
             self.layers.append((torch.zeros(shape, dtype=dtype, device=device),
                                 torch.zeros(shape, dtype=dtype, device=device)))
@@ -46,13 +46,3 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.layers)
-
-
-def _out_features(module: torch.nn.Module) -> int:
-    """A projection's output width on this rank (a tensor-parallel DTensor weight counts its shard)."""
-    weight = getattr(module, "weight", None)
-    if weight is None:
-        return module.out_features
-    if hasattr(weight, "to_local"):
-        weight = weight.to_local()
-    return weight.shape[0]

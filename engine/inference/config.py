@@ -7,8 +7,8 @@ so the dtype is kept as its name. What each field does here:
   weights, i.e. weight-only quantization at 8 bits).
 - `tensor_parallel.tp_size` (deprecated `mp_size`): shards the decoder over the mesh's `tp` dimension.
 - `replace_with_kernel_inject` (alias `kernel_inject`): routes norms, rotary and SwiGLU through
-  `deepfleet.kernels` (Triton on CUDA, the torch reference on CPU). The static-cache decoder runs
-  either way.
+  `deepfleet.kernels` (Triton on CUDA, the torch reference on CPU) and fuses the q/k/v and gate/up
+  projections into one matmul each. The static-cache decoder runs either way.
 - `quant.weight.num_bits` (8 or 4, with `quant.weight.group_size` for 4): weight-only quantization.
 - `max_out_tokens`: positions per sequence in the static KV cache (prompt + generated).
 - `checkpoint`: a deepfleet checkpoint directory (a root with `latest`, or one step directory) or a
@@ -58,7 +58,7 @@ class WeightQuantConfig(ConfigSection):
     num_bits: Literal[4, 8] = 8
     """8: int8 codes with one fp scale per output channel; 4: int4 codes, a scale and zero per group."""
     group_size: int = Field(default=64, ge=2)
-    """Input columns per int4 group (must divide every layer's input width; 32, 64, 128 or 256)."""
+    """Input columns per int4 group (a layer whose input width it does not divide uses one group per row)."""
 
 
 class ActivationQuantConfig(ConfigSection):

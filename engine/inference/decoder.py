@@ -82,10 +82,30 @@ class Layer(nn.Module):
         self.up, self.down, self.gate = up, down, gate
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.activation, self.fused = activation, False
+        self.qkv: nn.Module | None = None  # q|k|v in one projection, set by fuse_projections
+        self.gate_up: nn.Module | None = None
+        self.splits: list[int] | None = None
+
+    def fuse_projections(self) -> None:
+        """One matmul for q/k/v and one for gate/up (fewer, larger calls per decode step), when they are
+        plain nn.Linear layers of one bias kind; quantization afterwards quantizes the fused ones."""
+        parts = [self.q, self.k, self.v]
+        if _fusable(parts):
+            self.splits = [p.weight.shape[0] for p in parts]
+            self.qkv, self.q, self.k, self.v = _cat(parts), None, None, None
+        if self.gate is not None and _fusable([self.gate, self.up]):
+            self.gate_up, self.gate, self.up = _cat([self.gate, self.up]), None, None
+
+    def kv_width(self) -> int:
+        """This rank's key (= value) projection width."""
+        if self.splits is not None:
+            return self.splits[1]
+        weight = self.k.weight
+        return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
     def mlp(self, x: Tensor) -> Tensor:
         if self.activation == "swiglu":
-            g, u = self.gate(x), self.up(x)
+            g, u = self.gate_up(x).chunk(2, dim=-1) if self.gate_up is not None else (self.gate(x), self.up(x))
             return self.down(swiglu(g, u) if self.fused else F.silu(g) * u)
         h = self.up(x)
         if self.activation == "relu":
@@ -99,9 +119,8 @@ class Layer(nn.Module):
         b, t, _ = x.shape
         a = self.norm1(x)
         # Head counts come from the (possibly sharded or pruned) projection widths.
-        q = self.q(a).view(b, t, -1, self.head_dim)
-        k = self.k(a).view(b, t, -1, self.head_dim)
-        v = self.v(a).view(b, t, -1, self.head_dim)
+        q, k, v = self.qkv(a).split(self.splits, dim=-1) if self.qkv is not None else (self.q(a), self.k(a), self.v(a))
+        q, k, v = (z.view(b, t, -1, self.head_dim) for z in (q, k, v))
         if rotary is not None:
             q, k = _rotate(q, rotary, fused=self.fused), _rotate(k, rotary, fused=self.fused)
         if cache is None:  # the whole sequence at once, no cache (InferenceEngine.forward)
@@ -127,6 +146,20 @@ class Layer(nn.Module):
         att = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
         x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
+
+
+def _fusable(parts: list[nn.Module | None]) -> bool:
+    return all(type(p) is nn.Linear for p in parts) and len({p.bias is None for p in parts}) == 1
+
+
+def _cat(parts: list[nn.Linear]) -> nn.Linear:
+    weight = torch.cat([p.weight.detach() for p in parts])
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
 
 
 def _rows(cache: Tensor, slots: Tensor) -> Tensor:
@@ -168,10 +201,14 @@ class Decoder(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def use_fused_kernels(self, on: bool) -> None:
-        """Route norms, rotary and SwiGLU through `deepfleet.kernels` (replace_with_kernel_inject)."""
+        """replace_with_kernel_inject: route norms, rotary and SwiGLU through `deepfleet.kernels` and fuse
+        the q/k/v and gate/up projections (each into one matmul)."""
         for m in self.modules():
             if isinstance(m, (Norm, Layer)):
                 m.fused = on
+        if on:
+            for layer in self.layers:
+                layer.fuse_projections()
 
     def forward(self, tokens: Tensor, positions: Tensor, *, cache: list[tuple[Tensor, Tensor]] | None = None,
                 slots: Tensor | None = None, key_mask: Tensor | None = None, take: Tensor | None = None) -> Tensor:

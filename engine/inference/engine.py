@@ -4,9 +4,10 @@ Called by users' scripts (`deepfleet.engine.init_inference`, the path DeepSpeed 
 HTTP server (`serve.py`) and the benchmarks. The order of what it does, each step needing the one
 before: load `checkpoint` into the model (weights by the model's own names) -> cast to `dtype` ->
 convert to the static-cache decoder (`architectures.py`) -> shard over the `tp` ranks
-(`tensor_parallel.py`; full weights are needed to cut them) -> quantize the sharded linears
-(`quantize.py`; each rank quantizes only its shard) -> fused kernels on/off -> allocate the KV cache
-(its widths are the sharded ones).
+(`tensor_parallel.py`; full weights are needed to cut them) -> with replace_with_kernel_inject, fused
+kernels and fused q/k/v and gate/up projections (of the shards) -> quantize the linears
+(`quantize.py`; each rank quantizes only its shard, fused or not) -> allocate the KV cache (its widths
+are the sharded ones).
 
 `engine.forward(input_ids, attention_mask=None)` returns what the wrapped model returns (Hugging Face:
 an output with `.logits`; the example GPT: the logits tensor); `engine.generate(...)` takes Hugging
@@ -73,12 +74,12 @@ class InferenceEngine(nn.Module):
             from deepfleet.engine.inference.tensor_parallel import shard_decoder
 
             self.tp_group = shard_decoder(decoder, tp_size=config.tp_size, group=config.tensor_parallel.tp_group)
+        decoder.use_fused_kernels(config.replace_with_kernel_inject)
         if config.weight_bits is not None:
             from deepfleet.engine.inference.quantize import quantize_decoder
 
             group_size = config.quant.weight.group_size if config.quant is not None else 64
             quantize_decoder(decoder, bits=config.weight_bits, group_size=group_size)
-        decoder.use_fused_kernels(config.replace_with_kernel_inject)
         self.module = decoder.eval()
         self.cache = KVCache(decoder, slots=config.max_batch_size, max_tokens=config.max_out_tokens, dtype=self.dtype)
         self.batcher = Batcher(decoder, self.cache)

@@ -119,8 +119,11 @@ def test_kernel_inject_routes_through_deepfleet_kernels_with_the_same_tokens():
     ids = torch.tensor(prompts(2, low=6, high=7))
     plain = init_inference(model, dtype=torch.float32).generate(ids, max_new_tokens=8)
     fused = init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)
-    assert all(m.fused for m in fused.module.layers)
+    assert all(m.fused and m.qkv is not None and m.gate_up is not None for m in fused.module.layers)
     assert torch.equal(fused.generate(ids, max_new_tokens=8), plain)
+    q8 = init_inference(model, dtype=torch.int8, replace_with_kernel_inject=True)  # fused, then quantized
+    assert type(q8.module.layers[0].qkv).__name__ == "Int8Linear"
+    assert q8.generate(ids, max_new_tokens=8).shape == plain.shape
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
