@@ -1,12 +1,14 @@
 """init_inference vs plain Hugging Face `generate` (eager) on the same model in the same run, on CPU.
 
-Run alone (or by `make bench` through benchmarks/run_all.py):
+Run alone (short: about a minute of CPU time at the defaults):
     .venv/bin/python benchmarks/inference.py [--arch llama] [--hidden 256] [--layers 4] [--prompt 32] [--new 32]
 One process, one thread. A Llama-shaped (or GPT-2 / OPT) model is built from a config with random
 weights (speed does not depend on the values). For batch 1 and batch 16 (prompts of mixed lengths,
-left-padded for HF): tokens/s of greedy generation (new tokens over wall time, median of interleaved
-repeats) and time to first token (a generate of one new token), for HF `generate` and for
-`init_inference(model, dtype=fp32)`, with the ratio; then the decoder's weight bytes and batch-16
+left-padded for HF): tokens per CPU second of greedy generation (new tokens over the process's CPU
+time, median of interleaved repeats: on a shared machine wall time mostly measures the neighbours) and
+time to first token (CPU time of a generate of one new token), for HF `generate` and for
+`init_inference(model, dtype=fp32)` with and without `replace_with_kernel_inject` (fused q/k/v and
+gate/up matmuls; norms, rotary and SwiGLU through `deepfleet.kernels`), with the ratios; then the decoder's weight bytes and batch-16
 tokens/s with int8 and int4 weight-only quantization. One JSON line per figure.
 """
 
@@ -79,10 +81,12 @@ def main() -> None:
             mask[i, args.prompt - n:] = 1
         return ids, mask
 
-    engines = {"fp32": init_inference(model, dtype=torch.float32, max_out_tokens=args.prompt + args.new + 1),
-               "int8": init_inference(model, dtype=torch.int8, max_out_tokens=args.prompt + args.new + 1),
+    opts = {"max_out_tokens": args.prompt + args.new + 1}
+    engines = {"fp32": init_inference(model, dtype=torch.float32, **opts),
+               "fp32_kernel_inject": init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True, **opts),
+               "int8": init_inference(model, dtype=torch.int8, **opts),
                "int4": init_inference(model, dtype=torch.float32, quant={"weight": {"num_bits": 4, "group_size": 64}},
-                                      max_out_tokens=args.prompt + args.new + 1)}
+                                      **opts)}
 
     def hf(ids, mask, new):
         with torch.inference_mode():
@@ -94,7 +98,8 @@ def main() -> None:
             return engines[name].generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], pad_token_id=0)
         return run
 
-    runners = {"hf_generate": hf, "init_inference": ours("fp32"), "init_inference_int8": ours("int8"),
+    runners = {"hf_generate": hf, "init_inference": ours("fp32"),
+               "init_inference_kernel_inject": ours("fp32_kernel_inject"), "init_inference_int8": ours("int8"),
                "init_inference_int4": ours("int4")}
     for batch in (int(b) for b in args.batches.split(",")):
         ids, mask = prompts(batch)
@@ -104,20 +109,20 @@ def main() -> None:
             run(ids, mask, 2)
         for _ in range(args.repeats):  # interleaved, so machine noise hits every runner alike
             for name, run in runners.items():
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 run(ids, mask, 1)
-                ttft_s[name].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                ttft_s[name].append(time.process_time() - t0)
+                t0 = time.process_time()
                 out = run(ids, mask, args.new)
-                gen_s[name].append(time.perf_counter() - t0)
+                gen_s[name].append(time.process_time() - t0)
                 assert out.shape == (batch, args.prompt + args.new), (name, out.shape)
         base_tps = batch * args.new / statistics.median(gen_s["hf_generate"])
         base_ttft = statistics.median(ttft_s["hf_generate"])
         for name in runners:
             tps = batch * args.new / statistics.median(gen_s[name])
             ttft = statistics.median(ttft_s[name])
-            print(json.dumps({**common, "batch": batch, "runner": name, "tokens_per_s": round(tps, 1),
-                              "speedup_vs_hf": round(tps / base_tps, 2), "ttft_ms": round(ttft * 1e3, 1),
+            print(json.dumps({**common, "batch": batch, "runner": name, "tokens_per_cpu_s": round(tps, 1),
+                              "speedup_vs_hf": round(tps / base_tps, 2), "ttft_cpu_ms": round(ttft * 1e3, 1),
                               "ttft_vs_hf": round(ttft / base_ttft, 2)}), flush=True)
     fp32_bytes = weight_bytes(engines["fp32"].module)
     for name, engine in engines.items():
