@@ -87,15 +87,20 @@ class InferenceEngine(nn.Module):
     # -- forward ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
-        """Logits for every position, as the wrapped model computes them (no cache is touched)."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                **kwargs: Any) -> Any:
+        """Logits for every position, as the wrapped model computes them (no cache is touched). Positions
+        as the wrapped model's forward takes them: `position_ids`, else OPT counts them from the mask and
+        the others number the columns."""
         unknown = sorted(set(kwargs) - {"use_cache", "return_dict"})
         if unknown:
-            raise TypeError(f"forward: argument {unknown[0]!r} is not supported (input_ids, attention_mask)")
+            raise TypeError(f"forward: argument {unknown[0]!r} is not supported (input_ids, attention_mask, "
+                            "position_ids)")
         positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        key_mask = None
-        if attention_mask is not None:
-            key_mask = attention_mask.bool()
+        key_mask = None if attention_mask is None else attention_mask.bool()
+        if position_ids is not None:
+            positions = position_ids
+        elif attention_mask is not None and self.arch == "opt":
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         logits = self.module(input_ids, positions, key_mask=key_mask)
         if not self._hf:

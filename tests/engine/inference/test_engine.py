@@ -46,6 +46,20 @@ def test_forward_returns_the_models_logits(arch):
     torch.testing.assert_close(engine(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_forward_with_a_padding_mask_matches_hf_forward(arch):
+    model = hf_model(arch)
+    engine = init_inference(model, dtype=torch.float32)
+    ids, mask = left_padded(prompts(3))
+    real = mask.bool()
+    got, ref = engine(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=1e-5)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    got = engine(ids, attention_mask=mask, position_ids=pos).logits
+    torch.testing.assert_close(got[real], model(ids, attention_mask=mask, position_ids=pos).logits[real],
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_example_gpt_matches_its_own_forward_and_greedy_decoding():
     model = example_gpt()
     engine = init_inference(model, dtype=torch.float32, max_out_tokens=64)
