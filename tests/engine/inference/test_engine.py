@@ -140,6 +140,20 @@ def test_kernel_inject_routes_through_deepfleet_kernels_with_the_same_tokens():
     assert q8.generate(ids, max_new_tokens=8).shape == plain.shape
 
 
+def test_kernel_inject_runs_the_triton_kernels_when_the_dispatcher_selects_them():
+    pytest.importorskip("triton")
+    from deepfleet.kernels._dispatch import force_impl, interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it outside GPU runs)")
+    model = hf_model("llama")
+    ids = torch.tensor(prompts(2, low=4, high=5))
+    plain = init_inference(model, dtype=torch.float32).generate(ids, max_new_tokens=3)
+    fused = init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)
+    with force_impl("triton"):  # rms_norm, rope and swiglu run as Triton kernels (interpreted on CPU)
+        assert torch.equal(fused.generate(ids, max_new_tokens=3), plain)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"bogus": 1}, "bogus: is not an init_inference setting"),
     ({"dtype": "fp8"}, "dtype: "),
