@@ -12,8 +12,10 @@ The uncompressed baseline fine-tunes the same number of steps without compressio
 One JSON line per variant: `eval_loss` of the trained compressed model and of its exported model on
 held-out sequences (they should agree), `bytes` of the exported model (parameters and buffers at
 their storage size: int8 codes, packed int4, scales), `nonzero_fraction` of its weights, and
-`tokens_per_s` of greedy generation (no KV cache; `init_inference` does not exist yet), with ratios
-to the uncompressed model measured in the same run (generation timed interleaved, median of repeats).
+`tokens_per_s` of greedy generation through `init_inference` (the exported model loaded as it is: integer
+codes, pruned widths; static KV cache, fp32 compute) and `tokens_per_s_no_cache` of the plain
+re-run-the-window loop (`compression/generate.py`), with ratios to the uncompressed model measured in
+the same run (generation timed interleaved, median of repeats).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main() -> None:
     from deepfleet.engine.compression.distill import Distiller
     from deepfleet.engine.compression.export import model_bytes, nonzero_fraction
     from deepfleet.engine.compression.generate import greedy_generate
+    from deepfleet.engine.inference.engine import init_inference
     from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
     seq, vocab, micro = 32, 128, 16
@@ -156,17 +159,24 @@ def main() -> None:
             results[name]["eval_loss_student_init"] = round(before, 4)
         exported[name] = model.gpt.eval()
 
+    engines = {n: init_inference(gpt, dtype=torch.float32, max_out_tokens=seq, max_batch_size=prompts.shape[0])
+               for n, gpt in exported.items()}
     times: dict[str, list[float]] = {n: [] for n in exported}
+    plain: dict[str, list[float]] = {n: [] for n in exported}
     for _ in range(args.repeats):  # interleaved, so machine noise hits every variant alike
         for name, gpt in exported.items():
             t0 = time.perf_counter()
-            greedy_generate(gpt, prompts, max_new_tokens=new_tokens, max_context=seq)
+            engines[name].generate(prompts, max_new_tokens=new_tokens)
             times[name].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            greedy_generate(gpt, prompts, max_new_tokens=new_tokens, max_context=seq)
+            plain[name].append(time.perf_counter() - t0)
     base = results["fp32"]
     base_tps = prompts.shape[0] * new_tokens / statistics.median(times["fp32"])
     for name, r in results.items():
         tps = prompts.shape[0] * new_tokens / statistics.median(times[name])
         r.update(tokens_per_s=round(tps, 1), speed_vs_fp32=round(tps / base_tps, 3),
+                 tokens_per_s_no_cache=round(prompts.shape[0] * new_tokens / statistics.median(plain[name]), 1),
                  size_vs_fp32=round(r["bytes"] / base["bytes"], 4),
                  loss_vs_fp32=round(r["eval_loss_exported"] - base["eval_loss_exported"], 4),
                  pretrain_s=round(pretrain_s, 1))

@@ -119,6 +119,20 @@ def checkpoint(ctx: typer.Context) -> None:
     raise typer.Exit(subprocess.call([sys.executable, "-m", "deepfleet.engine.checkpoint.cli", *ctx.args]))
 
 
+@app.command(
+    "serve",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context) -> None:
+    """Serve a checkpoint at an OpenAI-compatible /v1/completions (`deepfleet serve --help` for more)."""
+    import subprocess
+    import sys
+
+    # The CLI stays torch-free (import contract); the inference server runs as its own torch process.
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "deepfleet.engine.inference.serve_cli", *ctx.args]))
+
+
 register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)
 
 

@@ -8,6 +8,8 @@ _EXPORTS = {
     "initialize": "deepfleet.engine.engine",
     "DeepFleetEngine": "deepfleet.engine.engine",
     "init_distributed": "deepfleet.engine.dist",
+    "init_inference": "deepfleet.engine.inference.engine",
+    "InferenceEngine": "deepfleet.engine.inference.engine",
 }
 # Submodules a DeepSpeed script reaches as attributes (`deepspeed.comm.get_rank()`).
 _SUBMODULES = ("comm",)

@@ -1,0 +1,136 @@
+"""init_inference vs plain Hugging Face `generate` (eager) on the same model in the same run, on CPU.
+
+Run alone (short: about a minute of CPU time at the defaults):
+    .venv/bin/python benchmarks/inference.py [--arch llama] [--hidden 256] [--layers 4] [--prompt 32] [--new 32]
+One process, one thread. A Llama-shaped (or GPT-2 / OPT) model is built from a config with random
+weights (speed does not depend on the values). For batch 1 and batch 16 (prompts of mixed lengths,
+left-padded for HF): tokens per CPU second of greedy generation (new tokens over the process's CPU
+time, median of interleaved repeats: on a shared machine wall time mostly measures the neighbours) and
+time to first token (CPU time of a generate of one new token), for HF `generate` and for
+`init_inference(model, dtype=fp32)` with and without `replace_with_kernel_inject` (fused q/k/v and
+gate/up matmuls; norms, rotary and SwiGLU through `deepfleet.kernels`), with the ratios; then the decoder's weight bytes and batch-16
+tokens/s with int8 and int4 weight-only quantization. One JSON line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(arch: str, hidden: int, layers: int, vocab: int):
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        OPTConfig,
+        OPTForCausalLM,
+    )
+
+    heads = max(hidden // 64, 2)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 16 * 16,
+                                            num_hidden_layers=layers, num_attention_heads=heads,
+                                            num_key_value_heads=heads, max_position_embeddings=512,
+                                            bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=512, n_embd=hidden, n_layer=layers, n_head=heads,
+                                          bos_token_id=0, eos_token_id=0))
+    return OPTForCausalLM(OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=hidden * 4, num_hidden_layers=layers,
+                                    num_attention_heads=heads, max_position_embeddings=512, word_embed_proj_dim=hidden))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="llama", choices=["llama", "gpt2", "opt"])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default="1,16")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    from deepfleet.engine import init_inference
+    from deepfleet.engine.inference.quantize import weight_bytes
+
+    torch.manual_seed(0)
+    model = build(args.arch, args.hidden, args.layers, args.vocab).eval()
+    common = {"bench": "inference", "arch": args.arch, "hidden": args.hidden, "layers": args.layers,
+              "prompt_tokens": args.prompt, "new_tokens": args.new}
+
+    def prompts(batch: int):
+        g = torch.Generator().manual_seed(batch)
+        lengths = [args.prompt - (i * 7) % (args.prompt // 2) for i in range(batch)]  # mixed lengths
+        ids = torch.zeros(batch, args.prompt, dtype=torch.long)
+        mask = torch.zeros(batch, args.prompt, dtype=torch.long)
+        for i, n in enumerate(lengths):
+            ids[i, args.prompt - n:] = torch.randint(3, args.vocab, (n,), generator=g)
+            mask[i, args.prompt - n:] = 1
+        return ids, mask
+
+    opts = {"max_out_tokens": args.prompt + args.new + 1}
+    engines = {"fp32": init_inference(model, dtype=torch.float32, **opts),
+               "fp32_kernel_inject": init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True, **opts),
+               "int8": init_inference(model, dtype=torch.int8, **opts),
+               "int4": init_inference(model, dtype=torch.float32, quant={"weight": {"num_bits": 4, "group_size": 64}},
+                                      **opts)}
+
+    def hf(ids, mask, new):
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  pad_token_id=0)
+
+    def ours(name):
+        def run(ids, mask, new):
+            return engines[name].generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], pad_token_id=0)
+        return run
+
+    runners = {"hf_generate": hf, "init_inference": ours("fp32"),
+               "init_inference_kernel_inject": ours("fp32_kernel_inject"), "init_inference_int8": ours("int8"),
+               "init_inference_int4": ours("int4")}
+    for batch in (int(b) for b in args.batches.split(",")):
+        ids, mask = prompts(batch)
+        gen_s = {n: [] for n in runners}
+        ttft_s = {n: [] for n in runners}
+        for run in runners.values():  # warm-up (allocations, first-call dispatch)
+            run(ids, mask, 2)
+        for _ in range(args.repeats):  # interleaved, so machine noise hits every runner alike
+            for name, run in runners.items():
+                t0 = time.process_time()
+                run(ids, mask, 1)
+                ttft_s[name].append(time.process_time() - t0)
+                t0 = time.process_time()
+                out = run(ids, mask, args.new)
+                gen_s[name].append(time.process_time() - t0)
+                assert out.shape == (batch, args.prompt + args.new), (name, out.shape)
+        base_tps = batch * args.new / statistics.median(gen_s["hf_generate"])
+        base_ttft = statistics.median(ttft_s["hf_generate"])
+        for name in runners:
+            tps = batch * args.new / statistics.median(gen_s[name])
+            ttft = statistics.median(ttft_s[name])
+            print(json.dumps({**common, "batch": batch, "runner": name, "tokens_per_cpu_s": round(tps, 1),
+                              "speedup_vs_hf": round(tps / base_tps, 2), "ttft_cpu_ms": round(ttft * 1e3, 1),
+                              "ttft_vs_hf": round(ttft / base_ttft, 2)}), flush=True)
+    fp32_bytes = weight_bytes(engines["fp32"].module)
+    for name, engine in engines.items():
+        b = weight_bytes(engine.module)
+        layers_b = weight_bytes(engine.module.layers)
+        print(json.dumps({**common, "runner": f"memory_{name}", "weight_bytes": b, "layer_weight_bytes": layers_b,
+                          "vs_fp32": round(b / fp32_bytes, 3), "kv_cache_bytes": engine.cache.nbytes()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
