@@ -71,6 +71,13 @@ class StepMetrics:
     peak_model_state_bytes: int | None = None
     """High-water mark of this rank's model-state bytes over the step (`deepfleet.engine.memory`);
     None until the strategy reports it."""
+    flops: float | None = None
+    """Model FLOPs of this step on this rank (forward + backward, `engine/profiling/step_flops.py`); None
+    unless `flops_profiler` is enabled and its `profile_step` has been reached."""
+    mfu: float | None = None
+    """Model FLOPs utilization: `flops` / (elapsed_s x this rank's peak FLOP/s); None when unknown."""
+    hfu: float | None = None
+    """Hardware FLOPs utilization: as `mfu`, counting activation recomputation too."""
 
 
 @runtime_checkable
