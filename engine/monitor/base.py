@@ -45,6 +45,10 @@ def scalars(m: StepMetrics) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if v is not None}
 
 
+class MissingPackage(ValueError):
+    """A monitor is enabled but its package is not installed (a config problem: initialize fails)."""
+
+
 def require(package: str, section: str) -> Any:
     """Import a monitor's package, or fail with one line naming it and the fix."""
     import importlib
@@ -52,7 +56,7 @@ def require(package: str, section: str) -> Any:
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise ValueError(
+        raise MissingPackage(
             f"{section}.enabled: needs the {package} package, which is not installed; "
             f"pip install 'deepfleet[monitor]' (or {package}), or set {section}.enabled to false"
         ) from None
@@ -95,5 +99,13 @@ def build_monitors(config: Any, *, rank: int) -> list[Guarded]:
             continue
         module, cls = target.split(":")
         factory = getattr(importlib.import_module(module), cls)
-        sinks.append(Guarded(section_name, factory(section, config)))
+        try:
+            monitor = factory(section, config)
+        except MissingPackage:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unreachable store or a full disk: train without it
+            logger.warning("monitor %s could not start (training goes on without it): %s: %s",
+                           section_name, type(e).__name__, e)
+            continue
+        sinks.append(Guarded(section_name, monitor))
     return sinks
