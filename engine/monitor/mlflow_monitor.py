@@ -32,10 +32,15 @@ class MLflowMonitor:
         self.run_id = self.client.create_run(experiment_id, run_name=section.run_name).info.run_id
 
     def write(self, m: StepMetrics) -> None:
+        self.write_many([m])
+
+    def write_many(self, batch: list[StepMetrics]) -> None:
+        """One `log_batch` per 1000 metrics (MLflow's limit per call)."""
         now = int(time.time() * 1000)
         metrics = [self._metric(tag.rsplit("/", 1)[-1], value, now, m.global_samples)
-                   for tag, value in scalars(m).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+                   for m in batch for tag, value in scalars(m).items()]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

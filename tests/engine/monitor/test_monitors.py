@@ -180,7 +180,9 @@ def test_a_failing_monitor_is_logged_and_training_goes_on(tmp_path, caplog) -> N
         if i == 1:  # from the third step on, the monitor's folder is a file: every write fails
             shutil.rmtree(out / "job")
             (out / "job").write_text("not a folder")
-            next(s for s in engine.sinks if isinstance(s, Guarded)).monitor.close()  # drop its open files
+            sink = next(s for s in engine.sinks if isinstance(s, Guarded))
+            sink.flush()
+            sink.monitor.close()  # drop its open files: the next write reopens them, and fails
 
     with caplog.at_level(logging.WARNING, "deepfleet.engine.monitor"):
         seen, _ = train({"csv_monitor": {"enabled": True, "output_path": str(out), "job_name": "job"}},
