@@ -189,10 +189,12 @@ class DeepFleetEngine(nn.Module):
     def save_checkpoint(
         self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None, **kwargs: Any
     ) -> bool:
-        """Save the full training state under `<save_dir>/<tag>/`; every rank must call it."""
+        """Save the full training state under `<save_dir>/<tag>/`; every rank must call it. Its seconds
+        reach the next step's `timings["checkpoint"]` (goodput's checkpoint stalls)."""
         from deepfleet.engine.checkpoint.api import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, **kwargs)
+        with self._recorder.timed("checkpoint"):
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, **kwargs)
 
     def load_checkpoint(
         self,

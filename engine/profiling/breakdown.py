@@ -1,8 +1,8 @@
 """`wall_clock_breakdown`: where the wall time of training goes, as shares of the step time.
 
 A step sink composed by `engine/build.py` when `wall_clock_breakdown` is true (the progress line keeps
-its per-phase milliseconds). Phases come from each `StepMetrics` (forward, backward, step: seconds
-inside the engine's calls); communication is the seconds the comm counters add over the step (it
+its per-phase milliseconds). Phases come from each `StepMetrics` (forward, backward, step, checkpoint:
+seconds inside the engine's calls); communication is the seconds the comm counters add over the step (it
 happens inside backward and step, so it is shown as its own row and as "of which" of those two);
 data loading is the rest of the step's wall clock, the time between the engine's calls (the data
 loader's next batch and the user's loop). Logged on rank 0 every `steps_per_print` steps and at the end.
@@ -17,7 +17,8 @@ from deepfleet.engine.metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "step", "communication", "data_loading")
+PHASES = ("forward", "backward", "step", "checkpoint", "communication", "data_loading")
+INSIDE = ("forward", "backward", "step", "checkpoint")  # phases timed inside the engine's calls
 
 
 def _comm_seconds() -> float:
@@ -36,8 +37,8 @@ class WallClockBreakdown:
 
     def __call__(self, m: StepMetrics) -> None:
         now = _comm_seconds()
-        inside = sum(m.timings.get(k, 0.0) for k in ("forward", "backward", "step"))
-        for k in ("forward", "backward", "step"):
+        inside = sum(m.timings.get(k, 0.0) for k in INSIDE)
+        for k in INSIDE:
             self.totals[k] += m.timings.get(k, 0.0)
         self.totals["communication"] += now - self._comm
         self.totals["data_loading"] += max(0.0, m.elapsed_s - inside)

@@ -106,7 +106,7 @@ def test_a_training_run_logs_what_it_issued_every_steps_per_print_and_at_the_end
         else:
             assert summaries == []  # rank 0 only without debug
         shares = result["shares"]
-        assert sum(shares[k] for k in ("forward", "backward", "step", "data_loading")) == pytest.approx(1.0)
+        assert sum(shares[k] for k in ("forward", "backward", "step", "checkpoint", "data_loading")) == pytest.approx(1.0)
         assert 0 < shares["communication"] < 1
 
 
@@ -117,6 +117,6 @@ def test_breakdown_shares_from_step_timings() -> None:
                     timings={"forward": 0.5, "backward": 1.0, "step": 0.3})
     b(m)
     b(m)
-    assert b.shares() == pytest.approx({"forward": 0.25, "backward": 0.5, "step": 0.15, "communication": 0.0,
-                                        "data_loading": 0.1})
+    assert b.shares() == pytest.approx({"forward": 0.25, "backward": 0.5, "step": 0.15, "checkpoint": 0.0,
+                                        "communication": 0.0, "data_loading": 0.1})
     assert "data_loading" in b.table()
