@@ -88,17 +88,20 @@ class _JobGauges(Collector):
                                 labels=labels)
         eta = GaugeMetricFamily("deepfleet_job_eta_seconds", "Seconds to spec.maxSteps at the current step rate.",
                                 labels=labels)
-        with self.sessions() as session:
-            for job in live_jobs(session, limit=MAX_JOB_SERIES):
-                perf = job_performance(session, job)
-                key = [job.id, job.project]
-                if perf.goodput.goodput is not None:
-                    good.add_metric(key, perf.goodput.goodput)
-                for cause in CAUSES:
-                    lost.add_metric([*key, cause], perf.goodput.lost_s.get(cause, 0.0))
-                for family, value in ((mfu, perf.mfu), (tps, perf.tokens_per_s), (eta, perf.eta_s)):
-                    if value is not None:
-                        family.add_metric(key, value)
+        try:
+            with self.sessions() as session:
+                rows = [(job, job_performance(session, job)) for job in live_jobs(session, limit=MAX_JOB_SERIES)]
+        except SQLAlchemyError:
+            rows = []  # the database is down (or not migrated yet); the scrape still succeeds
+        for job, perf in rows:
+            key = [job.id, job.project]
+            if perf.goodput.goodput is not None:
+                good.add_metric(key, perf.goodput.goodput)
+            for cause in CAUSES:
+                lost.add_metric([*key, cause], perf.goodput.lost_s.get(cause, 0.0))
+            for family, value in ((mfu, perf.mfu), (tps, perf.tokens_per_s), (eta, perf.eta_s)):
+                if value is not None:
+                    family.add_metric(key, value)
         yield from (good, lost, mfu, tps, eta)
 
 
