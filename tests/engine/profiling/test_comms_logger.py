@@ -120,3 +120,28 @@ def test_breakdown_shares_from_step_timings() -> None:
     assert b.shares() == pytest.approx({"forward": 0.25, "backward": 0.5, "step": 0.15, "checkpoint": 0.0,
                                         "communication": 0.0, "data_loading": 0.1})
     assert "data_loading" in b.table()
+
+
+def test_checkpoint_seconds_reach_the_next_step_and_the_breakdown(tmp_path) -> None:
+    import torch.distributed as dist
+
+    import deepfleet.engine as deepspeed
+
+    model = torch.nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "wall_clock_breakdown": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    seen: list[StepMetrics] = []
+    engine.sinks.append(seen.append)
+    try:
+        for i in range(2):
+            engine.backward(engine(torch.ones(2, 4)).sum())
+            engine.step()
+            if i == 0:
+                engine.save_checkpoint(tmp_path, tag="one")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert "checkpoint" not in seen[0].timings and seen[1].timings["checkpoint"] > 0
+    breakdown = next(s for s in engine.sinks if isinstance(s, WallClockBreakdown))
+    assert breakdown.totals["checkpoint"] == seen[1].timings["checkpoint"]
