@@ -65,12 +65,14 @@ class StepFlops:
             self._measuring = True
         counts = self._profiler.counts
         before = counts.total
-        hooks = self._profiler.attach_hooks() if phase == "forward" else None
+        timed = phase == "forward"  # module latencies are of the forward, as in DeepSpeed's report
+        if timed:
+            self._profiler.attach_hooks()
         try:
             with counts.count(phase):
                 yield
         finally:
-            if hooks is not None:
+            if timed:
                 self._profiler.detach_hooks()
             self._phase[phase] += counts.total - before
 

@@ -147,3 +147,5 @@ def test_engine_mfu_on_causal_attention_stays_at_most_one(tmp_path) -> None:
         assert 0 < m.mfu <= 1 and m.mfu < m.hfu <= 1
         assert math.isclose(m.hfu / m.mfu, per_step / (per_step - 0.5 * fwd), rel_tol=0.02)
     assert "Profile Summary at step 2" in (tmp_path / "p.txt").read_text()
+    # nothing of the profiler stays on the model after its step
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
