@@ -1,4 +1,4 @@
-"""The job commands of the `deepfleet` CLI: server, submit, ls, get, logs, cancel, events, token create.
+"""The job commands of the `deepfleet` CLI: server, submit, ls, get, top, logs, cancel, events, token create.
 
 Registered on the root typer app by `controller/cli.py` (`register(app)`). Talks to the controller
 only through `controller.client` (HTTP); it never imports the API, the database or a backend
@@ -173,9 +173,35 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def get(job_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
-        """Show one job (JSON)."""
+        """Show one job (JSON), with its goodput, lost time by cause, MFU, tokens/s and ETA under "goodput"."""
         with _client(url, token) as client:
-            typer.echo(json.dumps(_call(client.get, job_id), indent=2))
+            job = _call(client.get, job_id)
+            job["goodput"] = _call(client.goodput, job_id)
+            typer.echo(json.dumps(job, indent=2))
+
+    @app.command()
+    def top(
+        all_jobs: Annotated[bool, typer.Option("--all", help="Finished jobs too.")] = False,
+        interval: Annotated[float, typer.Option(min=0, help="Refresh every this many seconds; 0: print once.")] = 0,
+        limit: Annotated[int, typer.Option(min=1, max=500)] = 20,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Training jobs at a glance: step, loss, tokens/s, MFU, goodput and ETA (newest first)."""
+        import time as clock
+
+        from rich.console import Console
+
+        console = Console()
+        with _client(url, token) as client:
+            while True:
+                table = top_table(client, all_jobs=all_jobs, limit=limit)
+                if interval and console.is_terminal:
+                    console.clear()
+                Console(width=max(console.width, 160) if not console.is_terminal else None).print(table)
+                if not interval:
+                    return
+                clock.sleep(interval)
 
     @app.command()
     def logs(
@@ -265,6 +291,36 @@ def register(app: typer.Typer) -> None:
         with _client(url, token) as client:
             _call(client.delete_secret, name)
         typer.echo(f"secret {name} deleted")
+
+
+def top_table(client: Any, *, all_jobs: bool, limit: int) -> Any:
+    """The `deepfleet top` table: one row per job, figures from its goodput (rich Table)."""
+    from rich.table import Table
+
+    finished = {"SUCCEEDED", "FAILED", "CANCELLED"}
+    jobs = [j for j in _call(client.list_jobs, limit=limit)["items"] if all_jobs or j["phase"] not in finished]
+    table = Table(box=None)
+    for header in ("ID", "NAME", "PHASE", "STEP", "LOSS", "TOKENS/S", "MFU", "GOODPUT", "ETA"):
+        table.add_column(header, no_wrap=True)
+    for j in jobs:
+        g = _call(client.goodput, j["id"])
+        hb = (_call(client.get, j["id"]).get("last_heartbeat") or {})
+        step = "-" if j["step"] is None else f"{j['step']}" + (f"/{j['max_steps']}" if j["max_steps"] else "")
+        table.add_row(
+            j["id"], j["name"], j["phase"], step, _fmt(hb.get("loss"), "{:.4f}"), _fmt(g["tokens_per_s"], "{:,.0f}"),
+            _fmt(g["mfu"], "{:.1%}"), _fmt(g["goodput"], "{:.1%}"), _duration(g["eta_s"]))
+    return table
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def follow_job(client: Any, job_id: str, *, poll_s: float = 1.0, tail: int = 20) -> int:

@@ -85,6 +85,9 @@ class Client:
                 return out
             after = page["next_after"]
 
+    def goodput(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/jobs/{job_id}/goodput").json()
+
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
         return self._request("GET", f"/v1/jobs/{job_id}/metrics").json()["points"]
 

@@ -26,6 +26,7 @@ from torch import nn
 from deepfleet.engine import comm
 from deepfleet.engine.metrics import StepSink, sinks_from_env
 from deepfleet.engine.precision import Precision, build_precision
+from deepfleet.engine.profiling.step_flops import StepFlops
 from deepfleet.engine.progress import ProgressLog
 from deepfleet.engine.zero.base import StrategyFactory, ZeroStrategy
 
@@ -48,6 +49,7 @@ class Training:
     lr_scheduler: Any  # a torch LRScheduler, a user scheduler with .step(), or None
     sinks: list[StepSink] = field(default_factory=list)  # called in order with every step's StepMetrics
     compression: Any = None  # a CompressionScheduler (stepped with the engine, checkpointed), or None
+    flops: Any = None  # StepFlops (FLOPs, MFU, HFU per step; engine/profiling/step_flops.py), or None
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -104,14 +106,33 @@ def build_training(
     # 6. The step sinks: the progress line first (it is what a user watches), then the sinks the
     #    environment names (the worker's heartbeat for script jobs), built after the process group
     #    exists so a factory can ask for its rank.
-    return Training(precision, sharding, opt, scheduler, sinks=step_sinks(config), compression=compression)
+    # 7. The FLOPs profiler counts the wrapped model (what forward runs) and needs the compute dtype for
+    #    the peak; it fills in each step's flops/MFU before the sinks see the record.
+    flops = StepFlops.build(model, config, rank=comm.get_rank(), dtype=precision.compute_dtype)
+    return Training(precision, sharding, opt, scheduler, sinks=step_sinks(config), compression=compression,
+                    flops=flops)
 
 
 def step_sinks(config: Any) -> list[StepSink]:
-    """The sinks every engine gets: the progress log line, then those named by DEEPFLEET_STEP_SINKS."""
+    """The sinks every engine gets, in order: the progress log line, the comms logger and wall-clock
+    breakdown when configured, the monitors the config enables (rank 0), then those named by
+    DEEPFLEET_STEP_SINKS. Sinks with a `close()` are closed by `engine.destroy()` (or at exit)."""
     rank = comm.get_rank()
-    progress = ProgressLog(config.steps_per_print, wall_clock_breakdown=config.wall_clock_breakdown, rank=rank)
-    return [progress, *sinks_from_env()]
+    sinks: list[StepSink] = [
+        ProgressLog(config.steps_per_print, wall_clock_breakdown=config.wall_clock_breakdown, rank=rank)
+    ]
+    if config.comms_logger.enabled:
+        from deepfleet.engine.profiling.comms_logger import CommsLogger
+
+        sinks.append(CommsLogger(config.comms_logger, steps_per_print=config.steps_per_print, rank=rank,
+                                 world_size=comm.get_world_size()))
+    if config.wall_clock_breakdown:
+        from deepfleet.engine.profiling.breakdown import WallClockBreakdown
+
+        sinks.append(WallClockBreakdown(steps_per_print=config.steps_per_print, rank=rank))
+    from deepfleet.engine.monitor.base import build_monitors
+
+    return [*sinks, *build_monitors(config, rank=rank), *sinks_from_env()]
 
 
 def _compression(model: nn.Module, config: Any, *, process_group: Any) -> Any:

@@ -41,6 +41,15 @@ from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
+from deepfleet.engine.config_monitor import (
+    CometConfig,
+    CommsLoggerConfig,
+    CSVMonitorConfig,
+    FlopsProfilerConfig,
+    MLflowConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from deepfleet.engine.config_optim import (
     OPTIMIZER_TYPES,
     OPTIMIZERS_NOT_SUPPORTED,
@@ -122,6 +131,20 @@ class DeepFleetConfig(ConfigSection):
     """Print the resolved config at initialization."""
     compression_training: CompressionConfig | None = None
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """Profile one step's FLOPs per module; MFU/HFU per step after it (engine/profiling/)."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Per-collective counts, bytes, latency and bandwidth summaries (engine/profiling/comms_logger.py)."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """TensorBoard monitor (engine/monitor/)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases monitor (engine/monitor/)."""
+    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
+    """CSV monitor (engine/monitor/)."""
+    comet: CometConfig = Field(default_factory=CometConfig)
+    """Comet ML monitor (engine/monitor/)."""
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
+    """MLflow monitor (engine/monitor/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:

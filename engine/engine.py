@@ -11,9 +11,12 @@ advances `micro_steps`.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,10 @@ class DeepFleetEngine(nn.Module):
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self.sinks: list[StepSink] = list(training.sinks)  # called with each step's StepMetrics, in order
+        self.flops = training.flops  # StepFlops (engine/profiling/step_flops.py) or None
+        # end-of-training summaries and monitor files: at destroy(), or when the engine is collected or
+        # the interpreter exits, whichever comes first (the finalizer runs once)
+        self._close_sinks = weakref.finalize(self, close_sinks, self.sinks)
         self._recorder = StepRecorder(rank=comm.get_rank(), dp_size=parallel.dp_size, clock=clock)
         # model-state high-water mark over the current optimizer step, and the last completed step's
         self.memory = HighWater(self.sharding)
@@ -75,7 +82,7 @@ class DeepFleetEngine(nn.Module):
         if torch.is_grad_enabled():  # a training micro-batch (evaluation forwards count no tokens)
             self._recorder.micro_batch(args, kwargs)
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
-        with self._recorder.timed("forward"):
+        with self._recorder.timed("forward"), self._counting("forward"):
             out = self.sharding.module(*args, **kwargs)
         self.memory.sample("forward")
         return out
@@ -85,7 +92,7 @@ class DeepFleetEngine(nn.Module):
         multiplied by the loss scale (fp16). Returns `loss` unchanged."""
         self._recorder.add_loss(loss)
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
-        with self._recorder.timed("backward"):
+        with self._recorder.timed("backward"), self._counting("backward"):
             self.precision.scale_loss(loss / divisor).backward(retain_graph=retain_graph)
         self.memory.sample("backward")
         return loss
@@ -128,8 +135,16 @@ class DeepFleetEngine(nn.Module):
             samples=self.config.train_batch_size, global_samples=self.global_samples,
             peak_model_state_bytes=self.peak_model_state_bytes,
         )
+        if self.flops is not None:
+            metrics = dataclasses.replace(metrics, **self.flops.figures(metrics))
         for sink in self.sinks:
             sink(metrics)
+
+    def _counting(self, phase: str) -> Any:
+        """FLOP counting of this phase on the profiled step (a no-op context on every other step)."""
+        if self.flops is None:
+            return contextlib.nullcontext()
+        return self.flops.counting(self.global_steps + 1, phase)
 
     def _advance_lr(self, lr_kwargs: dict) -> None:
         if self.lr_scheduler is not None:
@@ -139,6 +154,10 @@ class DeepFleetEngine(nn.Module):
         super().train(mode)
         self.sharding.module.train(mode)  # the DDP wrapper is not a child of the engine
         return self
+
+    def destroy(self) -> None:
+        """End training: sinks print their end-of-training summaries and close their files/runs."""
+        self._close_sinks()
 
     # --- DeepSpeed's accessors ----------------------------------------------------------------------
 
@@ -170,10 +189,12 @@ class DeepFleetEngine(nn.Module):
     def save_checkpoint(
         self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None, **kwargs: Any
     ) -> bool:
-        """Save the full training state under `<save_dir>/<tag>/`; every rank must call it."""
+        """Save the full training state under `<save_dir>/<tag>/`; every rank must call it. Its seconds
+        reach the next step's `timings["checkpoint"]` (goodput's checkpoint stalls)."""
         from deepfleet.engine.checkpoint.api import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, **kwargs)
+        with self._recorder.timed("checkpoint"):
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, **kwargs)
 
     def load_checkpoint(
         self,
@@ -226,6 +247,18 @@ class DeepFleetEngine(nn.Module):
         return consolidated_16bit_state_dict(
             self.module, dtype=self.precision.compute_dtype, exclude_frozen_parameters=exclude_frozen_parameters
         )
+
+
+def close_sinks(sinks: list[StepSink]) -> None:
+    """Close every sink that has a `close()`; one that raises is logged and the rest still close."""
+    for sink in sinks:
+        close = getattr(sink, "close", None)
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - best effort at the end of training
+            logger.warning("closing step sink %r failed: %s", sink, e)
 
 
 def initialize(

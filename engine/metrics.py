@@ -64,13 +64,21 @@ class StepMetrics:
     """Wall-clock seconds since the previous step ended (or since the engine was built)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase summed over the window's micro-steps: "forward", "backward", "step"
-    (gradient reduction, clipping, optimizer and publishing)."""
+    (gradient reduction, clipping, optimizer and publishing), and "checkpoint" when `save_checkpoint`
+    ran since the previous step."""
     comm_bytes: int = 0
     """Bytes this rank sent through `deepfleet.engine.comm` during the step (its forward, backward and
     optimizer phases, every micro-step): the difference of `comm.counters()` over the step."""
     peak_model_state_bytes: int | None = None
     """High-water mark of this rank's model-state bytes over the step (`deepfleet.engine.memory`);
     None until the strategy reports it."""
+    flops: float | None = None
+    """Model FLOPs of this step on this rank (forward + backward, `engine/profiling/step_flops.py`); None
+    unless `flops_profiler` is enabled and its `profile_step` has been reached."""
+    mfu: float | None = None
+    """Model FLOPs utilization: `flops` / (elapsed_s x this rank's peak FLOP/s); None when unknown."""
+    hfu: float | None = None
+    """Hardware FLOPs utilization: as `mfu`, counting activation recomputation too."""
 
 
 @runtime_checkable

@@ -167,9 +167,11 @@ class HeartbeatSink:
         self.last: StepMetrics | None = None
         self._tokens: int | None = None
         self._elapsed = 0.0
+        self.checkpoint_s = 0.0  # seconds this process has spent in save_checkpoint (the engine's timings)
 
     def __call__(self, m: StepMetrics) -> None:
         self.last = m
+        self.checkpoint_s += m.timings.get("checkpoint", 0.0)
         if m.tokens is not None:
             self._tokens = (self._tokens or 0) + m.tokens
         self._elapsed += m.elapsed_s
@@ -182,7 +184,8 @@ class HeartbeatSink:
         values: dict[str, Any] = {"step": 0, "last_complete_checkpoint": self.last_checkpoint()}
         if m is not None:
             rate = self._tokens / self._elapsed if self._tokens is not None and self._elapsed > 0 else None
-            values.update(step=m.step, loss=m.loss, lr=m.lr, grad_norm=_finite(m.grad_norm), tokens_per_s=rate)
+            values.update(step=m.step, loss=m.loss, lr=m.lr, grad_norm=_finite(m.grad_norm), tokens_per_s=rate,
+                          mfu=_finite(m.mfu), checkpoint_s=self.checkpoint_s)
         values.update(fields)
         return Heartbeat(**values)
 

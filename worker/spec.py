@@ -428,6 +428,8 @@ class Heartbeat(_Model):
     grad_norm: float | None = None
     tokens_per_s: float | None = Field(None, ge=0, description="Training throughput over the last interval.")
     last_complete_checkpoint: str | None = Field(None, description="Tag of the newest COMPLETE checkpoint.")
+    mfu: float | None = Field(None, ge=0, description="Model FLOPs utilization of the newest step (0..1).")
+    checkpoint_s: float | None = Field(None, ge=0, description="Seconds this attempt has spent saving checkpoints.")
     time: datetime = Field(default_factory=lambda: datetime.now(timezone.utc), description="UTC, when taken.")
 
 

@@ -1,5 +1,6 @@
 """Operational endpoints: /healthz (the process serves), /readyz (the database answers) and /metrics
-(Prometheus text: jobs by phase, request latency).
+(Prometheus text: jobs by phase, request latency, and per unfinished job: goodput, lost seconds by
+cause, MFU, tokens/s and ETA, labelled by job id and project only).
 
 Mounted by `create_app`. Metrics live in a registry owned by the app (no process-global
 collectors), so several apps in one process, as in tests, do not collide.
@@ -21,7 +22,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deepfleet.controller.db.jobs import jobs_by_phase
+from deepfleet.controller.db.jobs import job_performance, jobs_by_phase, live_jobs
+from deepfleet.controller.goodput import CAUSES
+
+# Per-job series are kept for at most this many unfinished jobs (the newest): label sets stay bounded
+# however many jobs the database holds, and a finished job's series disappear with it.
+MAX_JOB_SERIES = 200
 
 router = APIRouter(tags=["health"])
 
@@ -65,6 +71,40 @@ class _JobsByPhase(Collector):
         yield family
 
 
+class _JobGauges(Collector):
+    """Per-job gauges of the newest MAX_JOB_SERIES unfinished jobs, computed at scrape time."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["job", "project"]
+        good = GaugeMetricFamily("deepfleet_job_goodput_ratio", "Productive training time / wall time since submit.",
+                                 labels=labels)
+        lost = GaugeMetricFamily("deepfleet_job_lost_seconds", "Seconds lost since submit, by cause.",
+                                 labels=[*labels, "cause"])
+        mfu = GaugeMetricFamily("deepfleet_job_mfu_ratio", "Model FLOPs utilization (newest heartbeat).", labels=labels)
+        tps = GaugeMetricFamily("deepfleet_job_tokens_per_second", "Training throughput (newest heartbeat).",
+                                labels=labels)
+        eta = GaugeMetricFamily("deepfleet_job_eta_seconds", "Seconds to spec.maxSteps at the current step rate.",
+                                labels=labels)
+        try:
+            with self.sessions() as session:
+                rows = [(job, job_performance(session, job)) for job in live_jobs(session, limit=MAX_JOB_SERIES)]
+        except SQLAlchemyError:
+            rows = []  # the database is down (or not migrated yet); the scrape still succeeds
+        for job, perf in rows:
+            key = [job.id, job.project]
+            if perf.goodput.goodput is not None:
+                good.add_metric(key, perf.goodput.goodput)
+            for cause in CAUSES:
+                lost.add_metric([*key, cause], perf.goodput.lost_s.get(cause, 0.0))
+            for family, value in ((mfu, perf.mfu), (tps, perf.tokens_per_s), (eta, perf.eta_s)):
+                if value is not None:
+                    family.add_metric(key, value)
+        yield from (good, lost, mfu, tps, eta)
+
+
 class ApiMetrics:
     """The app's Prometheus registry: request latency by route template, and jobs by phase."""
 
@@ -76,6 +116,7 @@ class ApiMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
         )
         self.registry.register(_JobsByPhase(sessions))
+        self.registry.register(_JobGauges(sessions))
 
 
 class TimingMiddleware:

@@ -35,6 +35,7 @@ from deepfleet.controller.api.schemas import (
     EventList,
     EventOut,
     JobDetail,
+    JobGoodput,
     JobList,
     JobSummary,
     MetricPoint,
@@ -240,6 +241,17 @@ def job_metrics(
         select(Heartbeat).where(Heartbeat.job_id == job.id).order_by(Heartbeat.id.desc()).limit(limit)
     ).all()
     return Metrics(job_id=job.id, points=[MetricPoint.of(r) for r in reversed(rows)])
+
+
+@router.get("/{job_id}/goodput", response_model=JobGoodput, responses=ERRORS,
+            summary="A job's goodput, lost time by cause, MFU, throughput and ETA")
+def job_goodput(job_id: str, principal: PrincipalDep, session: SessionDep) -> JobGoodput:
+    job = project_job(session, principal, job_id)
+    perf = store.job_performance(session, job)
+    g = perf.goodput
+    return JobGoodput(job_id=job.id, goodput=g.goodput, wall_s=g.wall_s, productive_s=g.productive_s,
+                      lost_s=g.lost_s, mfu=perf.mfu, tokens_per_s=perf.tokens_per_s, eta_s=perf.eta_s,
+                      step=perf.step)
 
 
 def _run(session: Any, job: Job, *, attempt: int | None) -> Attempt:

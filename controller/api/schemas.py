@@ -154,18 +154,42 @@ class MetricPoint(_Out):
     grad_norm: float | None
     tokens_per_s: float | None
     last_complete_checkpoint: str | None
+    mfu: float | None = None
+    checkpoint_s: float | None = None
 
     @classmethod
     def of(cls, row: Heartbeat) -> MetricPoint:
         return cls(time=row.time, attempt=row.attempt, step=row.step, loss=row.loss, lr=row.lr,
                    grad_norm=row.grad_norm, tokens_per_s=row.tokens_per_s,
-                   last_complete_checkpoint=row.last_complete_checkpoint)
+                   last_complete_checkpoint=row.last_complete_checkpoint, mfu=row.mfu,
+                   checkpoint_s=row.checkpoint_s)
 
 
 class Metrics(_Out):
     job_id: str
     points: list[MetricPoint]
     """Heartbeats in time order (the newest `limit`)."""
+
+
+class JobGoodput(_Out):
+    """Goodput of a job since submit, with the lost time by cause (see `controller.goodput`)."""
+
+    job_id: str
+    goodput: float | None
+    """Productive training time / wall time since submit (0..1; null before any wall time)."""
+    wall_s: float
+    """Seconds since submit (until the job finished, once it has)."""
+    productive_s: float
+    """Seconds of training kept: not lost to any cause below."""
+    lost_s: dict[str, float]
+    """Seconds lost by cause: queueing, start_up, restarts, recomputation, checkpoint_stalls, other."""
+    mfu: float | None
+    """Model FLOPs utilization of the newest heartbeat (null unless the job enables the FLOPs profiler)."""
+    tokens_per_s: float | None
+    """Training throughput of the newest heartbeat."""
+    eta_s: float | None
+    """Seconds to spec.maxSteps at the newest heartbeats' step rate (null: unknown or finished)."""
+    step: int | None
 
 
 class HeartbeatAck(_Out):

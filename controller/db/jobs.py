@@ -27,6 +27,7 @@ from deepfleet.controller.db.models import (
     Queue,
     utcnow,
 )
+from deepfleet.controller.goodput import AttemptTimes, Beat, Goodput, eta_s, goodput
 from deepfleet.controller.spec import JobSpec, job_world_size, node_bounds
 from deepfleet.worker.spec import FailureReport
 from deepfleet.worker.spec import Heartbeat as HeartbeatReport
@@ -182,6 +183,7 @@ def record_heartbeat(session: Session, job: Job, report: HeartbeatReport, *, att
         job_id=job.id, attempt=job.current_attempt if attempt is None else attempt, time=report.time,
         received_at=now, step=report.step, loss=report.loss, lr=report.lr, grad_norm=report.grad_norm,
         tokens_per_s=report.tokens_per_s, last_complete_checkpoint=report.last_complete_checkpoint,
+        mfu=report.mfu, checkpoint_s=report.checkpoint_s,
     )
     session.add(row)
     previous = (job.last_heartbeat or {}).get("last_complete_checkpoint")
@@ -208,3 +210,38 @@ def jobs_by_phase(session: Session) -> dict[str, int]:
     for phase, n in session.execute(select(Job.phase, func.count()).group_by(Job.phase)):
         counts[phase] = n
     return counts
+
+
+@dataclass(frozen=True)
+class JobPerformance:
+    """What `/v1/jobs/{id}/goodput` and the per-job gauges report (see `controller.goodput`)."""
+
+    goodput: Goodput
+    eta_s: float | None
+    mfu: float | None
+    tokens_per_s: float | None
+    step: int | None
+
+
+def job_performance(session: Session, job: Job, *, now: datetime | None = None) -> JobPerformance:
+    """Goodput since submit (up to the job's end once it has finished), ETA, MFU and tokens/s."""
+    rows = session.execute(
+        select(Heartbeat.attempt, Heartbeat.time, Heartbeat.step, Heartbeat.last_complete_checkpoint,
+               Heartbeat.checkpoint_s).where(Heartbeat.job_id == job.id).order_by(Heartbeat.id)
+    ).all()
+    beats = [Beat(a, t, s, c, cs) for a, t, s, c, cs in rows]
+    attempts = [AttemptTimes(a.number, a.submitted_at, a.started_at, a.finished_at) for a in job.attempts]
+    end = job.finished_at or now or utcnow()
+    result = goodput(submitted_at=job.created_at, attempts=attempts, beats=beats, now=end)
+    last = job.last_heartbeat or {}
+    max_steps = (job.spec or {}).get("spec", {}).get("maxSteps")
+    eta = None if job.phase in TERMINAL_PHASES else eta_s(beats, max_steps=max_steps)
+    return JobPerformance(goodput=result, eta_s=eta, mfu=last.get("mfu"), tokens_per_s=last.get("tokens_per_s"),
+                          step=last.get("step"))
+
+
+def live_jobs(session: Session, *, limit: int) -> list[Job]:
+    """The newest `limit` jobs that have not finished (the per-job gauges' bounded label set)."""
+    return list(session.scalars(
+        select(Job).where(Job.phase.not_in(TERMINAL_PHASES)).order_by(Job.created_at.desc()).limit(limit)
+    ).all())

@@ -251,6 +251,10 @@ class Heartbeat(Base):
     grad_norm: Mapped[float | None] = mapped_column(Float)
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
     last_complete_checkpoint: Mapped[str | None] = mapped_column(String(255))
+    mfu: Mapped[float | None] = mapped_column(Float)
+    """Model FLOPs utilization of the newest step (None unless the job enables the FLOPs profiler)."""
+    checkpoint_s: Mapped[float | None] = mapped_column(Float)
+    """Seconds this attempt has spent saving checkpoints so far (goodput's checkpoint stalls)."""
 
 
 class Lease(Base):

@@ -45,6 +45,11 @@ def test_job_commands_against_a_real_controller(tmp_path: Path, monkeypatch: pyt
         assert listing.exit_code == 0 and job_id in listing.output and "SUCCEEDED" in listing.output
         got = runner.invoke(app, ["get", job_id])
         assert got.exit_code == 0 and '"phase": "SUCCEEDED"' in got.output
+        goodput = json.loads(got.output)["goodput"]
+        assert 0 <= goodput["goodput"] <= 1 and set(goodput["lost_s"]) >= {"queueing", "restarts", "recomputation"}
+        top = runner.invoke(app, ["top", "--all"])
+        assert top.exit_code == 0 and job_id in top.output and "GOODPUT" in top.output
+        assert job_id not in runner.invoke(app, ["top"]).output  # finished: only with --all
         events = runner.invoke(app, ["events", job_id])
         assert [line.split()[2] for line in events.output.splitlines()][-1] == "Succeeded"
         logs = runner.invoke(app, ["logs", job_id, "--node", "1", "--tail", "1"])

@@ -89,6 +89,13 @@ def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, t
         hover = browser.find_element(By.CSS_SELECTOR, "#plot circle.point-loss title").get_attribute("textContent")
         assert hover.startswith("step ") and "loss" in hover
         assert "succeeded at step 3" in browser.find_element(By.ID, "job-now").text
+        # the goodput chart: the wall time since submit as a stacked bar on an axis of seconds
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#goodput rect.goodput-productive"))
+        assert browser.find_elements(By.CSS_SELECTOR, "#goodput text.tick-goodput")
+        assert "seconds since submit" in browser.find_element(By.ID, "goodput").text
+        assert browser.find_element(By.ID, "goodput-legend").text.startswith("goodput ")
+        bar = browser.find_element(By.CSS_SELECTOR, "#goodput rect.goodput-productive title")
+        assert bar.get_attribute("textContent").startswith("productive training: ")
 
         # an unknown job shows none of the previous job's status or events
         browser.get(c.url + "/#/jobs/" + "0" * 32)

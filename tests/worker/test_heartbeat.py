@@ -103,7 +103,8 @@ def test_heartbeat_sink_reads_step_metrics_and_averages_tokens_per_second(contro
     sink(_metrics(1))  # due at once
     sink(_metrics(2))
     now[0] = 10.0
-    sink(_metrics(3, grad_norm=float("inf"), tokens=300, elapsed_s=1.0))  # due: covers steps 2 and 3
+    sink(_metrics(3, grad_norm=float("inf"), tokens=300, elapsed_s=1.0, mfu=0.37,
+                  timings={"forward": 0.1, "checkpoint": 2.5}))  # due: covers steps 2 and 3
     sink.reporter.close(flush_s=5)
     beats = controller.bodies("/hb")
     assert [b["step"] for b in beats] == [1, 3]
@@ -111,6 +112,8 @@ def test_heartbeat_sink_reads_step_metrics_and_averages_tokens_per_second(contro
     assert beats[1]["loss"] == pytest.approx(1 / 3) and beats[1]["lr"] == 1e-3
     assert beats[1]["grad_norm"] is None  # an overflowed step's inf norm is not sent
     assert beats[1]["last_complete_checkpoint"] == "global_step2"
+    assert beats[0]["mfu"] is None and beats[1]["mfu"] == 0.37  # MFU from the engine's FLOPs profiler
+    assert beats[0]["checkpoint_s"] == 0.0 and beats[1]["checkpoint_s"] == 2.5  # save_checkpoint seconds
 
 
 def test_step_sink_factory_opts_out_without_an_endpoint_or_off_rank_0() -> None:

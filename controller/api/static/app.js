@@ -151,6 +151,51 @@ function plot(points, phase) {
   $("#plot-legend").replaceChildren(...legend, `${pts.length} heartbeat(s), steps ${x0}..${x1}`);
 }
 
+// Goodput: the wall time since submit as one stacked bar (productive training, then each cause of lost
+// time), on an axis of seconds, with the goodput ratio, MFU and ETA in the legend.
+const GOODPUT_PARTS = [
+  ["productive", "productive training", "#2f9e44"], ["queueing", "queueing", "#adb5bd"],
+  ["start_up", "start-up", "#f59f00"], ["restarts", "restarts", "#e03131"],
+  ["recomputation", "recomputation", "#c2255c"], ["checkpoint_stalls", "checkpoint stalls", "#1971c2"],
+  ["other", "other", "#dee2e6"],
+];
+
+function plotGoodput(g) {
+  const svg = $("#goodput");
+  const W = +svg.getAttribute("width"), L = 56, R = 64, T = 8, BAR = 28;
+  svg.replaceChildren();
+  if (!g || !(g.wall_s > 0)) { $("#goodput-legend").textContent = "no goodput yet"; return; }
+  const sx = (s) => L + (s / g.wall_s) * (W - L - R);
+  const parts = GOODPUT_PARTS.map(([key, label, color]) =>
+    [key, label, color, key === "productive" ? g.productive_s : (g.lost_s[key] || 0)]);
+  let at = 0;
+  for (const [key, label, color, seconds] of parts) {
+    if (seconds <= 0) continue;
+    const rect = svgEl("rect", { x: sx(at).toFixed(1), y: T, width: Math.max(1, sx(at + seconds) - sx(at)).toFixed(1),
+                                 height: BAR, fill: color, class: "goodput-" + key });
+    rect.append(svgEl("title", {}, `${label}: ${fmt(seconds)} s (${(100 * seconds / g.wall_s).toFixed(1)}%)`));
+    svg.append(rect);
+    at += seconds;
+  }
+  svg.append(svgEl("path", { d: `M${L},${T + BAR + 2} H${W - R}`, stroke: "#adb5bd", class: "axes" }));
+  for (const t of ticks(0, g.wall_s, 5)) {
+    svg.append(svgEl("text", { x: sx(t), y: T + BAR + 16, "text-anchor": "middle", "font-size": "11",
+                               class: "tick-goodput" }, fmt(t)));
+  }
+  svg.append(svgEl("text", { x: (L + W - R) / 2, y: T + BAR + 32, "text-anchor": "middle", "font-size": "11",
+                             class: "axis-label" }, "seconds since submit"));
+  const ratio = g.goodput == null ? "-" : (100 * g.goodput).toFixed(1) + "%";
+  const extra = [g.mfu != null ? `MFU ${(100 * g.mfu).toFixed(1)}%` : null,
+                 g.tokens_per_s != null ? `${fmt(g.tokens_per_s)} tokens/s` : null,
+                 g.eta_s != null ? `ETA ${fmt(g.eta_s)} s` : null].filter(Boolean).join(", ");
+  const legend = parts.filter((p) => p[3] > 0).map(([, label, color, seconds]) => {
+    const swatch = el("span", { class: "swatch" }, "\u25A0 ");
+    swatch.style.color = color;  // CSSOM, allowed by the page's CSP (a style attribute is not)
+    return el("span", {}, swatch, `${label} ${fmt(seconds)} s   `);
+  });
+  $("#goodput-legend").replaceChildren(`goodput ${ratio}` + (extra ? ` (${extra})` : "") + ":   ", ...legend);
+}
+
 // One line saying what the job is doing now: queued behind whom, restarting because of what, progress and ETA.
 async function describeNow(job, points) {
   const maxSteps = job.spec && job.spec.spec ? job.spec.spec.maxSteps : null;
@@ -189,6 +234,8 @@ function clearJob(title) {
   $("#job-now").textContent = "";
   $("#events tbody").replaceChildren();
   $("#plot").replaceChildren();
+  $("#goodput").replaceChildren();
+  $("#goodput-legend").textContent = "";
   $("#plot-legend").textContent = "";
   $("#log").textContent = "";
 }
@@ -214,6 +261,7 @@ async function refreshJob(id) {
       el("td", {}, when(e.time)), el("td", {}, e.attempt), el("td", {}, e.type), el("td", {}, e.message))));
     const metrics = await api("GET", `/v1/jobs/${id}/metrics`);
     plot(metrics.points, job.phase);
+    plotGoodput(await api("GET", `/v1/jobs/${id}/goodput`));
     $("#job-now").textContent = await describeNow(job, metrics.points);
     try {
       const log = await api("GET", `/v1/jobs/${id}/logs?tail=200&node=${select.value || 0}`);
