@@ -1,7 +1,7 @@
 """The `comet` monitor: a Comet ML experiment (an `OfflineExperiment` when `online` is false), metrics
 logged every `samples_log_interval` samples against the global sample count. Built by
-`base.build_monitors`; needs the comet_ml package (not in the `monitor` extra), and says so in one
-line at initialize when it is missing."""
+`base.build_monitors`; needs the comet_ml package (in the `monitor` extra), and says so in one line at
+initialize when it is missing. Offline archives land in comet_ml's `COMET_OFFLINE_DIRECTORY`."""
 
 from __future__ import annotations
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import csv
 import glob
-import importlib.util
+import json
 import logging
 import os
 import shutil
 import struct
+import sys
 import warnings
+import zipfile
 
 import pytest
 import torch
@@ -192,9 +194,36 @@ def test_a_failing_monitor_is_logged_and_training_goes_on(tmp_path, caplog) -> N
     assert len(failures) == 1 and "training goes on" in failures[0]  # logged once, not once per step
 
 
-def test_comet_without_comet_ml_fails_in_one_line() -> None:
-    if importlib.util.find_spec("comet_ml") is not None:
-        pytest.skip("comet_ml is installed here")
+def read_comet_offline_metrics(folder) -> list[tuple[int, float]]:
+    """(step, value) of `train_loss` from a Comet offline archive (a zip whose messages.json holds one
+    JSON message per line; metric messages carry metricName, metricValue and step)."""
+    [archive] = glob.glob(str(folder / "*.zip"))
+    with zipfile.ZipFile(archive) as z:
+        lines = z.read("messages.json").decode().splitlines()
+    out = []
+    for line in lines:
+        message = json.loads(line)
+        metric = message.get("payload", {}).get("metric") if message.get("type") == "metric_msg" else None
+        if metric and metric["metricName"] == "Train/Samples/train_loss":
+            out.append((int(metric["step"]), float(metric["metricValue"])))
+    return out
+
+
+@pytest.mark.slow
+def test_comet_offline_experiment_holds_the_losses(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("comet_ml")
+    monkeypatch.setenv("COMET_OFFLINE_DIRECTORY", str(tmp_path / "comet"))
+    monkeypatch.setenv("COMET_DISABLE_AUTO_LOGGING", "1")
+    monkeypatch.setenv("COMET_GIT_DIRECTORY", str(tmp_path))  # no repository: nothing of ours is uploaded
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # comet_ml's own deprecation noise at import
+        seen = _train_in(tmp_path, {"comet": {"enabled": True, "online": False, "project": "deepfleet-test",
+                                              "experiment_name": "r1", "samples_log_interval": 1}})
+    assert same(read_comet_offline_metrics(tmp_path / "comet"), expected(seen))
+
+
+def test_comet_without_comet_ml_fails_in_one_line(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "comet_ml", None)  # what an environment without the package sees
     config = load_config({"train_micro_batch_size_per_gpu": 1, "comet": {"enabled": True}})
     with pytest.raises(ValueError) as e:
         build_monitors(config, rank=0)
