@@ -156,14 +156,19 @@ def _fusable(parts: list[nn.Module | None]) -> bool:
     return all(type(p) is nn.Linear for p in parts) and len({p.bias is None for p in parts}) == 1
 
 
-def _cat(parts: list[nn.Linear]) -> nn.Linear:
-    weight = torch.cat([p.weight.detach() for p in parts])
-    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+def frozen_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """An inference Linear holding `weight` and `bias` as they are (no init, no gradients)."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     lin.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias, requires_grad=False)
     return lin
+
+
+def _cat(parts: list[nn.Linear]) -> nn.Linear:
+    weight = torch.cat([p.weight.detach() for p in parts])
+    bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    return frozen_linear(weight, bias)
 
 
 def _rows(cache: Tensor, slots: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from deepfleet.engine import comm
-from deepfleet.engine.inference.decoder import Decoder
+from deepfleet.engine.inference.decoder import Decoder, frozen_linear
 
 COLUMN = ("q", "k", "v", "up", "gate")
 ROW = ("o", "down")
@@ -70,14 +70,6 @@ def _cut(t: Tensor, mesh: Any, dim: int) -> Tensor:
     return distribute_tensor(t.detach(), mesh, [Shard(dim)]).to_local().clone()
 
 
-def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    lin.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        lin.bias = nn.Parameter(bias, requires_grad=False)
-    return lin
-
-
 def _check(decoder: Decoder, tp: int) -> None:
     for i, layer in enumerate(decoder.layers):
         for name in (*COLUMN, *ROW):
@@ -109,9 +101,9 @@ def shard_decoder(decoder: Decoder, *, tp_size: int, group: Any = None) -> Any:
             lin = getattr(layer, name)
             if lin is not None:
                 bias = None if lin.bias is None else _cut(lin.bias, mesh, 0)
-                setattr(layer, name, _linear(_cut(lin.weight, mesh, 0), bias))
+                setattr(layer, name, frozen_linear(_cut(lin.weight, mesh, 0), bias))
         for name in ROW:
             lin = getattr(layer, name)
             bias = None if lin.bias is None else nn.Parameter(lin.bias.detach(), requires_grad=False)
-            setattr(layer, name, RowParallel(_linear(_cut(lin.weight, mesh, 1), None), bias, group=mesh.get_group()))
+            setattr(layer, name, RowParallel(frozen_linear(_cut(lin.weight, mesh, 1), None), bias, group=mesh.get_group()))
     return mesh.get_group()
