@@ -5,7 +5,11 @@ local backend. Prints one JSON line per measurement. Run by `make bench` (benchm
 
 - `admit_pure`: `scheduler.admit` alone over N queued jobs (mixed priorities, queues and sizes).
 - `admit_pass`: one reconciler admission pass over N PENDING rows in the database (SQLite by default,
-  `--db`/`DATABASE_URL` for PostgreSQL): read, decide, write N phase changes and N events, commit.
+  `--db`/`DATABASE_URL` for PostgreSQL): a lock-free read of N rows, decide, then at most `admit_budget`
+  phase changes and events in transactions of `admit_batch` locked rows (`admitted` is that budget).
+- `cancel_during_passes`: cancels of random PENDING jobs (the API's path: read the row, set the desired
+  state, commit) timed while admission passes run back to back over the same N rows in another thread;
+  a cancel waits only when its row is in the batch being changed at that moment.
 - `submit_to_running`: a job row inserted -> the reconciler (polling every 20 ms) submits it to the local
   backend -> the backend reports RUNNING -> the phase is committed. The worker command is a sleeping
   process so the figure is the controller's and the backend's latency, not the training start-up.
@@ -85,6 +89,58 @@ def bench_pass(n: int, url: str, tmp: Path) -> dict:
             "admitted": admitted, "seconds": round(seconds, 4)}
 
 
+def _admit_loop(url: str, n: int, logs: str, stop, passes) -> None:  # noqa: ANN001 - multiprocessing objects
+    """Admission passes back to back until `stop` is set (in its own process: no GIL shared with cancels)."""
+    sessions = make_session_factory(make_engine(url))
+    # A small capacity: each pass re-decides the whole queue and admits a few (the queue stays long).
+    rec = Reconciler(sessions, backend=LocalBackend(Path(logs), slots=4), config=ReconcilerConfig(
+        replica_id="bench", controller_url="http://127.0.0.1:9", secret="s", capacity=Limit(processes=n // 2)))
+    rec._hold_lease("scheduler-local", datetime.now(timezone.utc))
+    while not stop.is_set():
+        start = time.perf_counter()
+        rec._admit(datetime.now(timezone.utc))
+        passes.put(time.perf_counter() - start)
+
+
+def bench_cancel(n: int, url: str, tmp: Path, *, cancels: int = 200) -> dict:
+    import multiprocessing as mp
+
+    sessions = _sessions(url)
+    now = datetime.now(timezone.utc)
+    ids = [uuid.uuid4().hex for _ in range(n)]
+    with sessions() as s, s.begin():
+        for i, job_id in enumerate(ids):
+            s.add(Job(id=job_id, name=f"c{i}", project="bench", queue="default", backend="local",
+                      priority=["low", "normal", "high"][i % 3], spec=document(f"c{i}", 1),
+                      spec_version="deepfleet/v1", world_size=1, gpus=0, phase="PENDING",
+                      created_at=now + timedelta(milliseconds=i)))
+    ctx = mp.get_context("spawn")
+    stop, passes = ctx.Event(), ctx.Queue()
+    admitter = ctx.Process(target=_admit_loop, args=(url, n, str(tmp / "logs-cancel"), stop, passes))
+    admitter.start()
+    first = passes.get(timeout=300)  # cancels start once passes are running
+    rng, waits = random.Random(1), []
+    try:
+        for job_id in rng.sample(ids, cancels):
+            start = time.perf_counter()
+            with sessions() as s:
+                s.get(Job, job_id).desired_state = "cancel_requested"
+                s.commit()
+            waits.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        admitter.join(timeout=300)
+    times = [first]
+    while not passes.empty():
+        times.append(passes.get())
+    waits.sort()
+    return {"bench": "controller_sched", "case": "cancel_during_passes", "db": url.split(":")[0], "jobs": n,
+            "cancels": cancels, "passes": len(times), "pass_median_s": round(statistics.median(times), 4),
+            "cancel_p50_s": round(waits[len(waits) // 2], 4), "cancel_p99_s": round(waits[int(len(waits) * 0.99)], 4),
+            "cancel_max_s": round(waits[-1], 4)}
+
+
 def bench_latency(runs: int, url: str, tmp: Path) -> dict:
     sessions = _sessions(url)
     backend = LocalBackend(tmp / "logs-latency", slots=8, workdir=tmp, cancel_grace_s=1,
@@ -124,6 +180,7 @@ def main() -> None:
         url = args.db or f"sqlite:///{tmp / 'bench.db'}"
         print(json.dumps(bench_pure(args.jobs)), flush=True)
         print(json.dumps(bench_pass(args.jobs, url, tmp)), flush=True)
+        print(json.dumps(bench_cancel(args.jobs, url, tmp)), flush=True)
         print(json.dumps(bench_latency(args.latency_runs, url, tmp)), flush=True)
 
 

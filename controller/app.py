@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepfleet.controller.api import health, jobs, queues, tokens, workers
+from deepfleet.controller.api import health, jobs, queues, secrets, tokens, workers
 from deepfleet.controller.api.deps import ApiError
+from deepfleet.controller.api.headers import SecurityHeaders
 from deepfleet.controller.api.load import RequestGate, install_outage_handler
 from deepfleet.controller.api.logs import LogLocator, LogReader, file_log_locator
 from deepfleet.controller.db.auth import ensure_bootstrap_token
@@ -75,6 +76,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return doc
 
 
+class _App(FastAPI):
+    """FastAPI with the security headers outside even Starlette's error middleware, so a 500 has them too."""
+
+    def build_middleware_stack(self) -> Any:
+        return SecurityHeaders(super().build_middleware_stack())
+
+
 def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_locator: LogLocator | None = None,
                log_poll_s: float = 0.5) -> FastAPI:
     """The controller API bound to `settings` (database, limits, tokens).
@@ -112,8 +120,10 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
         finally:
             engine.dispose()
 
-    app = FastAPI(
-        title=API_TITLE, version=API_VERSION, lifespan=lifespan,
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN into the origin that holds the
+    # page's token; the document itself is served at /openapi.json (docs/controller.md).
+    app = _App(
+        title=API_TITLE, version=API_VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
         description="Submit, inspect and cancel deepfleet training jobs. Every call takes "
                     "`Authorization: Bearer <token>`; a token sees only its own project.",
     )
@@ -127,12 +137,13 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
     app.state.policies = Policies.load(settings.policy_file)
     _install_error_handlers(app)
     install_outage_handler(app)
-    for module in (jobs, workers, queues, tokens, health):
+    for module in (jobs, workers, queues, tokens, secrets, health):
         app.include_router(module.router)
     # Order: the body limit runs first (outermost), so oversized requests are timed as 413s too.
     app.add_middleware(health.TimingMiddleware, metrics=app.state.metrics)
     app.add_middleware(health.BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    # Outermost: a request waits for a slot before it is read or timed.
+    # Outermost of these: a request waits for a slot before it is read or timed (the security headers
+    # wrap even this, see _App).
     app.add_middleware(RequestGate, limit=settings.max_inflight_requests, queue_timeout_s=settings.queue_timeout_s)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

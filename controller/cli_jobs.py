@@ -231,6 +231,41 @@ def register(app: typer.Typer) -> None:
             created = _call(client.create_token, name, role=role, project=project, expires_in_days=expires_in_days)
         typer.echo(created["token"])
 
+    secret_app = typer.Typer(help="Secrets that local jobs' env entries reference ({secret: NAME}).",
+                             no_args_is_help=True)
+    app.add_typer(secret_app, name="secret")
+
+    @secret_app.command("set")
+    def secret_set(
+        name: str,
+        from_file: Annotated[Path | None, typer.Option("--from-file", help="Read the value from this file.")] = None,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Set a secret of the token's project (admin). The value is read from --from-file or standard
+        input, never from the command line (which other users can see)."""
+        value = from_file.read_text() if from_file is not None else sys.stdin.read()
+        value = value.removesuffix("\n")
+        if not value:
+            _fail("empty secret value; pipe it on standard input or pass --from-file")
+        with _client(url, token) as client:
+            _call(client.set_secret, name, value)
+        typer.echo(f"secret {name} set")
+
+    @secret_app.command("ls")
+    def secret_ls(url: UrlOpt = None, token: TokenOpt = None) -> None:
+        """List the project's secret names (never their values)."""
+        with _client(url, token) as client:
+            for s in _call(client.list_secrets):
+                typer.echo(f"{s['name']:<40} {s['updated_at'][:19]}  {s['updated_by'] or ''}")
+
+    @secret_app.command("rm")
+    def secret_rm(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+        """Delete a secret (admin)."""
+        with _client(url, token) as client:
+            _call(client.delete_secret, name)
+        typer.echo(f"secret {name} deleted")
+
 
 def follow_job(client: Any, job_id: str, *, poll_s: float = 1.0, tail: int = 20) -> int:
     """Show a live progress line (phase, step, loss, tokens/s from heartbeats) until the job ends, then the

@@ -1,6 +1,6 @@
 """A thin HTTP client of the controller's REST API (`/v1/...`), on httpx.
 
-Called by the CLI (`deepfleet submit/ls/get/logs/cancel/events/token`) and the demo. It returns the
+Called by the CLI (`deepfleet submit/ls/get/logs/cancel/events/token/secret`) and the demo. It returns the
 API's JSON as plain dicts and turns every non-2xx answer into `ApiError` carrying the server's
 one-line `errors` (field paths and fixes), so callers print them and never a traceback. Never
 imports the API, the database or a backend (import-linter checks it).
@@ -111,6 +111,17 @@ class Client:
         body = {k: v for k, v in {"name": name, "role": role, "project": project,
                                   "expires_in_days": expires_in_days}.items() if v is not None}
         return self._request("POST", "/v1/tokens", json=body).json()
+
+    # ------------------------------------------------------------------ secrets
+    def set_secret(self, name: str, value: str) -> dict[str, Any]:
+        """Create or replace a secret of the token's project (admin); returns its name and times."""
+        return self._request("PUT", f"/v1/secrets/{name}", json={"value": value}).json()
+
+    def list_secrets(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/secrets").json()["items"]
+
+    def delete_secret(self, name: str) -> None:
+        self._request("DELETE", f"/v1/secrets/{name}")
 
 
 def _params(**kw: Any) -> dict[str, Any]:

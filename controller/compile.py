@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from deepfleet.controller.backends.base import Submission, run_name
-from deepfleet.controller.spec import JobSpec, node_bounds
+from deepfleet.controller.spec import JobSpec, node_bounds, plain_env
 from deepfleet.controller.tokens import job_token
 from deepfleet.worker.spec import (
     ATTEMPT_ENV,
@@ -47,7 +47,7 @@ def worker_spec(spec: JobSpec, *, job_id: str, attempt: int) -> WorkerSpec:
         checkpoint=s.checkpoint,
         restart=s.restart_policy,
         max_steps=s.max_steps,
-        env=dict(s.env),
+        env=plain_env(spec),  # secret references are resolved by the backend, never put in the spec
     )
 
 

@@ -5,7 +5,8 @@ each refusal is one "<field>: <problem>; <fix>" line and the submit answers 422.
 `ProjectPolicy` per project (`DEEPFLEET_POLICY_FILE`, a YAML mapping project -> policy, with "*" for
 every other project); an unlisted project gets `ProjectPolicy()`, whose defaults are the safe ones:
 the controller's own namespace, the namespace's default service account, no priority class, no
-PersistentVolumeClaim, no node selector or toleration beyond the accelerator type, any image.
+PersistentVolumeClaim, no node selector or toleration beyond the accelerator type, no secret
+reference (kubernetes, azureml), any image.
 
 Also here, for every backend: the host-path rules of `controller.confine` (local jobs) and the
 factory rule (a factory names the job's own code, never the standard library or deepfleet itself).
@@ -19,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from deepfleet.controller.confine import factory_error, spec_path_errors
-from deepfleet.controller.spec import JobSpec
+from deepfleet.controller.spec import JobSpec, secret_refs
 
 
 class ProjectPolicy(BaseModel):
@@ -43,6 +44,9 @@ class ProjectPolicy(BaseModel):
     """Image references must start with one of these (the default [""] allows any image)."""
     image_pull_secrets: list[str] = []
     """`imagePullSecrets` names allowed."""
+    secrets: list[str] = []
+    """Secrets `env` entries may reference on kubernetes (Secrets in the job's namespace) and azureml
+    (secrets of the controller's Key Vault). On local, a project references its own secret store."""
 
 
 class Policies(BaseModel):
@@ -80,6 +84,10 @@ def submit_errors(spec: JobSpec, *, policy: ProjectPolicy, default_namespace: st
     factory = getattr(s.entrypoint, "factory", None)
     if factory is not None and (e := factory_error(factory, allowed=factory_modules)):
         errors.append(e)
+    if s.backend != "local":
+        for var, ref in secret_refs(spec).items():
+            if (e := _refuse(f"spec.env.{var}.secret", ref.secret, policy.secrets, "secret")):
+                errors.append(e)
     if s.image is not None and not any(s.image.startswith(p) for p in policy.image_prefixes):
         errors.append(f"spec.image: {s.image!r} is not from a registry this project may use "
                       f"({', '.join(policy.image_prefixes)}); use an allowed image")

@@ -6,7 +6,10 @@ and by tests, which call `reconcile_once(now)` with an injected time instead of 
 
 One pass:
 1. **Admit** (only the replica holding the `scheduler-<backend>` lease): PENDING jobs of this backend
-   go through `controller.scheduler.admit` against per-queue quotas and the backend's capacity.
+   go through `controller.scheduler.admit` against per-queue quotas and the backend's capacity. The
+   decision reads a lock-free snapshot of a few columns; at most `admit_budget` decisions are applied
+   per pass, in transactions locking at most `admit_batch` rows (`FOR UPDATE SKIP LOCKED` on
+   PostgreSQL), so a cancel or submit never waits behind a pass over a long queue.
    (One reconciler drives one backend; a controller with several backends runs one per backend.)
 2. **Claim** active jobs (ADMITTED, RUNNING, RESTARTING, or any with a cancel request). On PostgreSQL
    `SELECT ... FOR UPDATE SKIP LOCKED` picks rows no other replica is claiming right now; the claim
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import bindparam, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -37,6 +40,7 @@ from deepfleet.controller import lifecycle, scheduler
 from deepfleet.controller.backends.base import Backend, BackendError, Observation, RunPhase
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
+from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
 from deepfleet.controller.spec import stored_spec
 from deepfleet.worker.spec import FailureClass, RestartPolicy
@@ -64,6 +68,8 @@ class ReconcilerConfig:
     lease_seconds: float = 30.0
     aging_s: float = 600.0
     batch: int = 100  # jobs claimed per pass
+    admit_budget: int = 500  # admission decisions applied per pass (the rest: next pass)
+    admit_batch: int = 100  # rows locked at once by admission (one transaction each)
     heartbeat_interval_s: float | None = None
     hang_timeout_s: float | None = 1800.0  # heartbeat silence (after a first one) that counts as a hang
 
@@ -71,10 +77,13 @@ class ReconcilerConfig:
 class Reconciler:
     """Drives every job toward its desired state on one backend."""
 
-    def __init__(self, sessions: sessionmaker[Session], *, backend: Backend, config: ReconcilerConfig) -> None:
+    def __init__(self, sessions: sessionmaker[Session], *, backend: Backend, config: ReconcilerConfig,
+                 outage: Outage | None = None) -> None:
+        """`outage`: where an unreachable database is reported (the API's, so a controller logs it once)."""
         self.sessions = sessions
         self.backend = backend
         self.config = config
+        self.outage = outage or Outage()
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop: threading.Event, *, interval_s: float = 2.0, clock: Callable[[], datetime] = utcnow) -> None:
@@ -82,8 +91,13 @@ class Reconciler:
         while not stop.is_set():
             try:
                 self.reconcile_once(clock())
-            except Exception:  # best-effort loop: the next pass retries from the database
-                log.exception("reconcile pass failed")
+            except Exception as e:  # best-effort loop: the next pass retries from the database
+                if is_connection_error(e):
+                    self.outage.failed(e)  # one line per outage, not one per pass
+                else:
+                    log.exception("reconcile pass failed")
+            else:
+                self.outage.recovered()
             stop.wait(interval_s)
 
     def reconcile_once(self, now: datetime) -> None:
@@ -93,7 +107,9 @@ class Reconciler:
         for job_id in self._claim(now):
             try:
                 self._reconcile_job(job_id, now)
-            except Exception:  # one bad job must not stall the others; its claim expires and it is retried
+            except Exception as e:  # one bad job must not stall the others; its claim expires and it is retried
+                if is_connection_error(e):
+                    raise  # the database, not the job: the loop reports the outage once
                 log.exception("job %s: reconcile failed", job_id)
 
     # ------------------------------------------------------------------ leases and claims
@@ -150,12 +166,15 @@ class Reconciler:
 
     # ------------------------------------------------------------------ admission
     def _admit(self, now: datetime) -> None:
-        with self.sessions() as s, s.begin():
-            query = select(Job).where(Job.phase == Phase.PENDING.value, Job.desired_state == "run",
-                                      Job.backend == self.config.backend_name)
-            if s.get_bind().dialect.name == "postgresql":
-                query = query.with_for_update(skip_locked=True)
-            pending = list(s.scalars(query))
+        """Decide on a lock-free snapshot of the PENDING rows, then apply at most `admit_budget` decisions
+        (in rank order) in transactions of at most `admit_batch` rows, each row locked only while it
+        changes. Rows another transaction holds (a cancel in flight) are skipped and decided again next
+        pass, so a pass over thousands of pending jobs never blocks a cancel or a submit."""
+        with self.sessions() as s:
+            pending = s.execute(
+                select(Job.id, Job.queue, Job.priority, Job.world_size, Job.gpus, Job.created_at)
+                .where(*self._pending())
+            ).all()
             if not pending:
                 return
             used: dict[str, scheduler.Demand] = {}
@@ -165,23 +184,57 @@ class Reconciler:
             ):
                 used[queue] = used.get(queue, scheduler.ZERO) + scheduler.Demand(procs, gpus)
             quotas = {q.name: scheduler.Limit(q.max_processes, q.max_gpus) for q in s.scalars(select(Queue))}
-            queued = [
-                scheduler.QueuedJob(j.id, j.queue, scheduler.Priority.parse(j.priority),
-                                    scheduler.Demand(j.world_size, j.gpus), j.created_at)
-                for j in pending
-            ]
-            out = scheduler.admit(queued, used=used, capacity=self.config.capacity, quotas=quotas, now=now,
-                                  aging_s=self.config.aging_s)
-            by_id = {j.id: j for j in pending}
-            for job_id in out.admitted:
-                self._transition(s, by_id[job_id], Phase.ADMITTED, "Admitted",
-                                 f"admitted to queue {by_id[job_id].queue}", now)
-            for job_id, why in out.unschedulable.items():
-                self._transition(s, by_id[job_id], Phase.FAILED, "Unschedulable", why, now)
-            if out.reserved_for is not None:  # say why the head of the line waits (a message, not an event)
-                head = by_id[out.reserved_for]
-                head.message = (f"next in line: waiting for {head.world_size} processes / {head.gpus} GPUs to free "
-                                "up; later jobs wait behind it")
+        queued = [scheduler.QueuedJob(job_id, queue, scheduler.Priority.parse(priority),
+                                      scheduler.Demand(procs, gpus), created)
+                  for job_id, queue, priority, procs, gpus, created in pending]
+        out = scheduler.admit(queued, used=used, capacity=self.config.capacity, quotas=quotas, now=now,
+                              aging_s=self.config.aging_s)
+        # Admissions first (rank order), then failures; the head-of-line note last (it only sets a message).
+        decisions: list[tuple[str, Phase | None, str]] = [(j, Phase.ADMITTED, "") for j in out.admitted]
+        decisions += [(j, Phase.FAILED, why) for j, why in out.unschedulable.items()]
+        if out.reserved_for is not None:
+            decisions.append((out.reserved_for, None, ""))
+        decisions = decisions[: self.config.admit_budget]
+        for start in range(0, len(decisions), self.config.admit_batch):
+            self._apply_admission(decisions[start: start + self.config.admit_batch], now)
+
+    def _pending(self) -> tuple:
+        return (Job.phase == Phase.PENDING.value, Job.desired_state == "run", Job.backend == self.config.backend_name)
+
+    def _apply_admission(self, batch: list[tuple[str, Phase | None, str]], now: datetime) -> None:
+        """One transaction: lock the batch's rows that are still PENDING (skipping locked ones) and change
+        them with set-based statements (a few round trips per batch, no ORM objects)."""
+        with self.sessions() as s, s.begin():
+            query = select(Job.id, Job.queue, Job.world_size, Job.gpus, Job.current_attempt).where(
+                Job.id.in_([job_id for job_id, _, _ in batch]), *self._pending())
+            if s.get_bind().dialect.name == "postgresql":
+                query = query.with_for_update(skip_locked=True)
+            rows = {r.id: r for r in s.execute(query)}  # the rest: cancelled, changed or locked; next pass
+            changes, events = [], []
+            for job_id, phase, why in batch:
+                if (row := rows.get(job_id)) is None:
+                    continue
+                if phase is None:  # say why the head of the line waits (a message, not an event)
+                    changes.append({"b_id": job_id, "b_phase": Phase.PENDING.value, "b_finished": None,
+                                    "b_message": f"next in line: waiting for {row.world_size} processes / "
+                                                 f"{row.gpus} GPUs to free up; later jobs wait behind it"})
+                    continue
+                lifecycle.check_transition(Phase.PENDING, phase)
+                reason, message = (("Admitted", f"admitted to queue {row.queue}") if phase is Phase.ADMITTED
+                                   else ("Unschedulable", why))
+                changes.append({"b_id": job_id, "b_phase": phase.value, "b_message": message,
+                                "b_finished": now if phase.is_terminal() else None})
+                events.append({"job_id": job_id, "time": now, "actor": self.config.replica_id, "type": reason,
+                               "message": message, "attempt": row.current_attempt, "data": None})
+            if changes:
+                s.connection().execute(
+                    update(Job.__table__).where(Job.__table__.c.id == bindparam("b_id")).values(
+                        phase=bindparam("b_phase"), message=bindparam("b_message"),
+                        finished_at=bindparam("b_finished")),
+                    changes,
+                )
+            if events:
+                s.execute(insert(Event), events)
 
     # ------------------------------------------------------------------ one job
     def _reconcile_job(self, job_id: str, now: datetime) -> None:

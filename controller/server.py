@@ -33,6 +33,7 @@ from deepfleet.controller.app import create_app
 from deepfleet.controller.backends.base import Backend, BackendError
 from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.controller.confine import closed_ancestor
+from deepfleet.controller.db import secrets as secret_store
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
 from deepfleet.controller.scheduler import UNLIMITED, Limit
 from deepfleet.controller.settings import Settings, SettingsError
@@ -109,12 +110,15 @@ def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker
     enabled = backends(settings, slots=slots, workdir=workdir, worker_command=worker_command)
     app = create_app(settings, log_reader=backend_log_reader({b.name: b for b, _ in enabled}))
     app.include_router(web.router)
+    for backend, _ in enabled:  # local jobs' secret references read the store in the app's database
+        if isinstance(backend, LocalBackend):
+            backend.secrets = secret_store.resolver(app.state.sessions, key_material=settings.secret.get_secret_value())
     reconcilers = [
         Reconciler(app.state.sessions, backend=backend, config=ReconcilerConfig(
             replica_id=settings.replica_id, controller_url=settings.controller_url,
             secret=settings.secret.get_secret_value(), backend_name=backend.name, capacity=capacity,
             lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
-        ))
+        ), outage=app.state.outage)
         for backend, capacity in enabled
     ]
     inner = app.router.lifespan_context
@@ -144,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help="database URL (default sqlite:///<data-dir>/deepfleet.db; postgresql+psycopg://...)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--fd", type=int, help="serve on this inherited, already listening socket (socket activation, "
+                   "test harnesses); --host/--port then only name the controller's URL")
     p.add_argument("--data-dir", type=Path)
     p.add_argument("--slots", type=int, default=os.cpu_count() or 2, help="local backend: processes at once")
     p.add_argument("--workdir", type=Path, help="local backend: working directory of worker processes")
@@ -198,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"deepfleet controller on http://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
           f"logs {settings.logs_root})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if args.fd is not None:
+        uvicorn.run(app, fd=args.fd, log_level="warning")
+    else:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -173,6 +173,30 @@ class AzureMLOptions(_Section):
     """Registered environment ("name:version" or "azureml:name@latest"); null builds one from `image`."""
 
 
+class SecretRef(_Section):
+    """An `env` value taken from a secret at run time; the spec (and every API answer) holds only the name."""
+
+    secret: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)]
+    """Name of the secret: in the controller's secret store of the job's project (backend local,
+    `deepfleet secret set`), a Kubernetes Secret in the job's namespace (kubernetes) or a secret of the
+    controller's Azure Key Vault (azureml). The project's policy says which names it may reference."""
+    key: Annotated[str | None, Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")] = None
+    """Key inside the Kubernetes Secret (backend kubernetes only); null: `value`."""
+
+
+SECRET_KEY_DEFAULT = "value"
+
+
+def _env_kind(value: Any) -> str:
+    return "env-secret" if isinstance(value, dict | SecretRef) else "env-value"
+
+
+EnvValue = Annotated[
+    Annotated[Text, Tag("env-value")] | Annotated[SecretRef, Tag("env-secret")],
+    Discriminator(_env_kind),
+]
+
+
 class TrainingSpec(_Section):
     backend: Backend = "local"
     """Where the job runs: local processes, a Kubernetes cluster or Azure ML."""
@@ -208,8 +232,9 @@ class TrainingSpec(_Section):
     """Admission order inside a queue."""
     queue: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)] = "default"
     """Queue whose quota the job counts against."""
-    env: dict[str, Text] = {}
-    """Extra environment variables for every worker process."""
+    env: dict[str, EnvValue] = {}
+    """Extra environment variables for every worker process: a string, or `{secret: <name>}` to take the
+    value from a secret when the job starts (never stored in the spec, never shown)."""
     kubernetes: KubernetesOptions | None = None
     """Options for backend kubernetes only."""
     azureml: AzureMLOptions | None = None
@@ -217,7 +242,7 @@ class TrainingSpec(_Section):
 
     @field_validator("env")
     @classmethod
-    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+    def _env_names(cls, env: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
         for name in env:
             if not ENV_NAME.match(name):
                 raise ValueError(f"{name!r} is not a valid environment variable name; use letters, digits and '_'")
@@ -240,6 +265,10 @@ class TrainingSpec(_Section):
             if self.checkpoint is None or not self.checkpoint.dir.startswith("/"):
                 problems.append("kubernetes.checkpointClaim: mounts at checkpoint.dir, which must be an absolute "
                                 "path; set checkpoint: {dir: /checkpoints/<job>} or drop checkpointClaim")
+        for name, value in self.env.items():
+            if isinstance(value, SecretRef) and value.key is not None and self.backend != "kubernetes":
+                problems.append(f"env.{name}.key: only applies to backend kubernetes (a key inside a Secret); "
+                                "drop key")
         if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
             problems.append(MISSING_STEPS.format(key="maxSteps").replace("set maxSteps", "set spec.maxSteps"))
         if self.backend == "azureml" and self.azureml is None:
@@ -285,6 +314,7 @@ _FIELD_LINES = "fields:\n"
 
 # Union fields and the branch tags pydantic adds to an error's location; the user wrote no such key.
 _UNION_TAGS = {"entrypoint": {"script", "factory"}, "nodes": {"fixed", "elastic"}, "engine": {"path", "inline", "none"}}
+_ENV_TAGS = {"env-value", "env-secret"}  # after any variable name, so not keyed by the field
 
 _PATTERN_HINTS = {
     DNS_LABEL: "must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending alphanumeric",
@@ -297,7 +327,7 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     parts: list[str] = []
     previous: int | str | None = None
     for item in loc:
-        if isinstance(previous, str) and item in _UNION_TAGS.get(previous, ()):
+        if item in _ENV_TAGS or (isinstance(previous, str) and item in _UNION_TAGS.get(previous, ())):
             previous = item
             continue
         previous = item
@@ -452,3 +482,13 @@ def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool 
     finally:
         loader.dispose()
     return validate_job(document, base_dir=base_dir, read_files=read_files)
+
+
+def plain_env(spec: JobSpec) -> dict[str, str]:
+    """The spec's `env` entries that are plain values (what the WorkerSpec carries)."""
+    return {k: v for k, v in spec.spec.env.items() if isinstance(v, str)}
+
+
+def secret_refs(spec: JobSpec) -> dict[str, SecretRef]:
+    """The spec's `env` entries that reference a secret, by variable name."""
+    return {k: v for k, v in spec.spec.env.items() if isinstance(v, SecretRef)}

@@ -33,7 +33,9 @@ EXAMPLES: dict[str, Any] = {
     "spec.checkpoint.everySteps": 100,
     "spec.checkpoint.keepLast": 2,
     "spec.nodes": {"min": 1, "max": 4},
-    "spec.env": {"NCCL_DEBUG": "WARN"},
+    "spec.env": {"NCCL_DEBUG": "WARN", "WANDB_API_KEY": {"secret": "wandb"}},
+    "SecretRef.secret": "wandb",
+    "SecretRef.key": "api-key",
     "spec.resources.cpu": "8",
     "spec.resources.memory": "64Gi",
     "spec.resources.gpuType": "nvidia-h100",
@@ -138,6 +140,9 @@ def _rows(schema: dict[str, Any], defs: dict[str, Any], prefix: str, out: list[s
         description = field.get("description") or next((r["description"] for r in refs if r.get("description")), "")
         out.append(f"| `{path}` | {_type(field, defs)} | {default} | {example} | {' '.join(description.split())} |")
         sections.extend((path, r) for r in refs)
+        values = field.get("additionalProperties")  # a mapping whose values may be sections (spec.env)
+        if isinstance(values, dict):
+            sections.extend((f"{path}.<name>", _resolve(b, defs)) for b in _branches(values) if "$ref" in b)
 
 
 def render_reference() -> str:

@@ -5,6 +5,9 @@ short timeout, one intra-op thread (two ranks with two threads each on a 2-core 
 and its result (any picklable value) comes back in rank order. A rank that raises makes the call raise
 with that rank's traceback; a hang makes it raise after `timeout` seconds and kills every rank.
 `fn` must be importable by module path (a module-level function in a test module).
+
+The ranks meet at a TCPStore that the parent process has already bound to port 0 and keeps open, so the
+chosen port is handed over, never picked and bound later (no race with other tests for the port).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
+    """Return a TCP port on 127.0.0.1 that is free right now (for programs that must bind it themselves)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -42,13 +45,10 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
     try:
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         result = fn(rank, world_size, *args)
         # Pickled to bytes here: torch's queue reducers would share tensor storage through file
         # descriptors that vanish when this process exits before the parent reads the queue.
@@ -63,9 +63,14 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
+    # The parent holds the rendezvous store (bound to port 0) for the ranks' whole life.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    port = store.port
     procs = [
         ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, out), daemon=True)
         for rank in range(world_size)
@@ -108,3 +113,4 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        del store

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from deepfleet.worker.spec import ExitCode, WorkerSpecError, load_worker_spec
+from deepfleet.worker.spec import KEYVAULT_SECRETS_ENV, ExitCode, WorkerSpecError, load_worker_spec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ok: job {spec.job_id} attempt {spec.attempt}, node {rdzv.node_rank} of {rdzv.nnodes} "
               f"({rdzv.platform}), {rdzv.nproc_per_node} process(es), rendezvous {rdzv.endpoint}")
         return int(ExitCode.SUCCEEDED)
+    if os.environ.get(KEYVAULT_SECRETS_ENV):
+        from deepfleet.worker.keyvault import KeyVaultError, resolve_secrets
+
+        try:  # into this process's environment, which the training processes inherit
+            os.environ.update(resolve_secrets(os.environ))
+        except KeyVaultError as e:
+            print(f"deepfleet-worker: {e}", file=sys.stderr)
+            return int(ExitCode.INVALID_SPEC)
     from deepfleet.worker.agent import run
 
     return run(spec)

@@ -43,6 +43,9 @@ HEARTBEAT_URL_ENV = "DEEPFLEET_HEARTBEAT_URL"
 TOKEN_ENV = "DEEPFLEET_TOKEN"
 # Admin allow-listed module prefixes an entrypoint factory may name although they are installed packages.
 FACTORY_MODULES_ENV = "DEEPFLEET_FACTORY_MODULES"
+# Azure ML: the vault and the {VAR: secret name} references the worker resolves before training starts.
+KEYVAULT_URL_ENV = "DEEPFLEET_KEYVAULT_URL"
+KEYVAULT_SECRETS_ENV = "DEEPFLEET_KEYVAULT_SECRETS"
 
 SIGNAL_EXIT_BASE = 128
 # Every number has a range (the controller's database columns are 32-bit; no real job is near these).

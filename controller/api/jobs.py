@@ -18,6 +18,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import Field
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from deepfleet.controller.api.deps import (
@@ -41,9 +42,10 @@ from deepfleet.controller.api.schemas import (
 )
 from deepfleet.controller.bounds import MAX_DEPTH, DocumentTooLarge, check_document, short_errors
 from deepfleet.controller.db import jobs as store
+from deepfleet.controller.db import secrets as secret_store
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
 from deepfleet.controller.policy import submit_errors
-from deepfleet.controller.spec import DNS_LABEL, JobSpec, SpecError, parse_job_yaml, validate_job
+from deepfleet.controller.spec import DNS_LABEL, JobSpec, SpecError, parse_job_yaml, secret_refs, validate_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -99,6 +101,15 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
     raise ApiError(415, f"unsupported content type {media!r}; send application/yaml or application/json")
 
 
+def _missing_secrets(session: Session, spec: JobSpec) -> list[str]:
+    """A local job's references to secrets its project's store lacks, one line each."""
+    project = spec.metadata.project
+    return [f"spec.env.{var}.secret: secret {ref.secret!r} is not in project {project!r}'s secret store; set it "
+            f"with `deepfleet secret set {ref.secret}` or drop the reference"
+            for var, ref in secret_refs(spec).items() if not secret_store.exists(session, project=project,
+                                                                                 name=ref.secret)]
+
+
 @router.post(
     "", status_code=201, response_model=JobDetail, openapi_extra=_spec_request_body(),
     responses={**ERRORS, 403: {"model": ErrorBody}, 413: {"model": ErrorBody}, 415: {"model": ErrorBody},
@@ -116,6 +127,8 @@ async def submit_job(request: Request, principal: PrincipalDep, session: Session
             f"{spec.metadata.project!r}; submit with a token of that project or change metadata.project"])
     refused = submit_errors(spec, policy=request.app.state.policies.for_project(spec.metadata.project),
                             default_namespace=settings.k8s_namespace, factory_modules=tuple(settings.factory_modules))
+    if spec.spec.backend == "local" and secret_refs(spec):
+        refused += await run_in_threadpool(_missing_secrets, session, spec)
     if refused:
         raise ApiError(422, "job not allowed for this project", errors=refused)
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -23,7 +21,8 @@ from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-log = logging.getLogger("deepfleet.controller.api")
+from deepfleet.controller.db.outage import Outage, is_connection_error
+
 UNLIMITED_PATHS = ("/healthz", "/readyz", "/metrics")
 RETRY_AFTER_BUSY_S = 1
 RETRY_AFTER_DB_S = 5
@@ -72,21 +71,6 @@ async def _answer(send: Send, status: int, detail: str, error: str, *, retry_aft
     await send({"type": "http.response.body", "body": body})
 
 
-class Outage:
-    """Whether the database is known to be down, so an outage is logged once, not once per request."""
-
-    def __init__(self) -> None:
-        self.since: float | None = None
-
-    def failed(self, exc: Exception) -> None:
-        if self.since is None:
-            self.since = time.monotonic()
-            log.warning("database unavailable (%s); answering 503 until it is back", type(exc).__name__)
-
-    def recovered(self) -> None:
-        self.since = None
-
-
 def install_outage_handler(app: FastAPI) -> None:
     """503 JSON + Retry-After for connection-level database errors (and pool exhaustion)."""
     app.state.outage = Outage()
@@ -96,7 +80,7 @@ def install_outage_handler(app: FastAPI) -> None:
             return JSONResponse({"detail": "invalid value", "errors": [
                 "(request): a value is out of the range the database can store; use a smaller value"]},
                 status_code=422)
-        if isinstance(exc, DBAPIError) and not _connection_error(exc):
+        if isinstance(exc, DBAPIError) and not is_connection_error(exc):
             raise exc  # a real bug: let the server log it as one
         request.app.state.outage.failed(exc)
         return JSONResponse({"detail": "database unavailable", "errors": [
@@ -107,6 +91,3 @@ def install_outage_handler(app: FastAPI) -> None:
     app.add_exception_handler(PoolTimeout, unavailable)
     app.add_exception_handler(DBAPIError, unavailable)
 
-
-def _connection_error(exc: DBAPIError) -> bool:
-    return bool(exc.connection_invalidated) or isinstance(exc, OperationalError)

@@ -107,12 +107,14 @@ HIDDEN = "(hidden)"
 
 
 def _hide_env(document: dict[str, Any]) -> dict[str, Any]:
-    """The spec with every `spec.env` value replaced: env carries credentials, and readers of a job
-    (viewers, the web page, logs of API clients) must not see them."""
+    """The spec with every plain `spec.env` value replaced: env carries credentials, and readers of a job
+    (viewers, the web page, logs of API clients) must not see them. A secret reference (`{secret: name}`)
+    holds no value and is shown as it is."""
     env = (document.get("spec") or {}).get("env")
     if not env:
         return document
-    return {**document, "spec": {**document["spec"], "env": {k: HIDDEN for k in env}}}
+    shown = {k: v if isinstance(v, dict) else HIDDEN for k, v in env.items()}
+    return {**document, "spec": {**document["spec"], "env": shown}}
 
 
 class JobList(_Out):

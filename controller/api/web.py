@@ -3,8 +3,10 @@
 `create_app` includes `router`. The page (`static/index.html`, `static/app.js`, `static/style.css`)
 submits a YAML spec and shows the API's field-path errors inline, lists jobs with their phase, and
 shows one job's events, log tail and a loss / throughput plot drawn as inline SVG from heartbeats.
-It calls the same `/v1` endpoints as the CLI with the bearer token the user pastes (kept in the
-browser's localStorage). Files are served from a fixed list, so no path from the URL reaches the disk.
+It calls the same `/v1` endpoints as the CLI with the bearer token the user pastes (kept in the tab's
+sessionStorage, docs/security.md says why). It has no inline script or style attribute, so it runs under
+the strict CSP of `controller/api/headers.py`. Files are served from a fixed list, so no path from the
+URL reaches the disk.
 """
 
 from __future__ import annotations

@@ -15,6 +15,15 @@ registered `spec.azureml.environment`); the compute target; the WorkerSpec and t
 environment variables; the experiment (`spec.azureml.experimentName`, else the project), a display name
 and tags linking back to our job.
 
+Secrets: an Azure ML command job has no field that takes a Key Vault reference for an environment
+variable (its `environment_variables` are plain text, readable by anyone who can read the job), and
+Azure's documented way for training jobs is that the job reads the secret from Key Vault itself. So
+an `env: {VAR: {secret: name}}` entry is sent as a *reference*: `DEEPFLEET_KEYVAULT_URL` (the
+controller's vault, `DEEPFLEET_AZUREML_KEY_VAULT`) and `DEEPFLEET_KEYVAULT_SECRETS` (JSON
+`{VAR: secret name}`), and the job runs with the compute's managed identity
+(`identity: {type: managed}`); the worker resolves them before training starts
+(`deepfleet.worker.keyvault`). The identity needs "Key Vault Secrets User" on that vault.
+
 Status mapping (Azure's job statuses -> RunPhase): NotStarted, Queued, Preparing, Provisioning, Starting,
 Paused -> PENDING; Running, Finalizing, CancelRequested, NotResponding -> RUNNING (not over yet);
 Completed -> SUCCEEDED; Failed, Canceled -> FAILED. Azure reports no per-node exit codes through the job
@@ -38,7 +47,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from azure.ai.ml import MLClient, PyTorchDistribution, command
-from azure.ai.ml.entities import Environment
+from azure.ai.ml.entities import Environment, ManagedIdentityConfiguration
 from azure.ai.ml.exceptions import MlException
 from azure.core.exceptions import (
     AzureError,
@@ -50,8 +59,14 @@ from azure.core.exceptions import (
 )
 
 from deepfleet.controller.backends.base import BackendError, Observation, RunPhase, Submission
-from deepfleet.controller.spec import node_bounds
-from deepfleet.worker.spec import SPEC_ENV, FailureClass, classify_exit
+from deepfleet.controller.spec import node_bounds, secret_refs
+from deepfleet.worker.spec import (
+    KEYVAULT_SECRETS_ENV,
+    KEYVAULT_URL_ENV,
+    SPEC_ENV,
+    FailureClass,
+    classify_exit,
+)
 
 WORKER_COMMAND = "deepfleet-worker"
 PHASES: dict[str, RunPhase] = {
@@ -90,6 +105,7 @@ def connect(subscription_id: str, resource_group: str, workspace: str, *, creden
 
 
 WORKSPACE_ENV = ("AZURE_SUBSCRIPTION_ID", "AZURE_RESOURCE_GROUP", "AZUREML_WORKSPACE")
+KEY_VAULT_ENV = "DEEPFLEET_AZUREML_KEY_VAULT"
 
 
 def from_env(environ: Mapping[str, str], **client_kwargs: Any) -> AzureMLBackend:
@@ -99,7 +115,8 @@ def from_env(environ: Mapping[str, str], **client_kwargs: Any) -> AzureMLBackend
     if missing:
         raise BackendError(f"azureml: set {', '.join(missing)} to the workspace the controller submits to",
                            transient=False)
-    return AzureMLBackend(connect(*(environ[k] for k in WORKSPACE_ENV), **client_kwargs))
+    return AzureMLBackend(connect(*(environ[k] for k in WORKSPACE_ENV), **client_kwargs),
+                          key_vault_url=environ.get(KEY_VAULT_ENV) or None)
 
 
 def translate(e: Exception, what: str) -> BackendError:
@@ -121,8 +138,9 @@ def _first_line(e: Exception) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__
 
 
-def command_job(sub: Submission) -> Any:
-    """The Azure ML command job of one attempt (an `azure.ai.ml` Command node, not yet submitted)."""
+def command_job(sub: Submission, *, key_vault_url: str | None = None) -> Any:
+    """The Azure ML command job of one attempt (an `azure.ai.ml` Command node, not yet submitted).
+    Raises ValueError for a secret reference without a configured Key Vault."""
     s = sub.spec.spec
     options = s.azureml
     if options is None:
@@ -137,6 +155,13 @@ def command_job(sub: Submission) -> Any:
         SPEC_ENV: json.dumps(sub.worker_spec.model_dump(mode="json", exclude_none=True), sort_keys=True),
         "DEEPFLEET_NNODES": str(nodes),
     }
+    refs = secret_refs(sub.spec)
+    if refs:
+        if not key_vault_url:
+            raise ValueError("spec.env references secrets but the controller has no Key Vault; set "
+                             "DEEPFLEET_AZUREML_KEY_VAULT to the vault URL (https://<name>.vault.azure.net)")
+        variables[KEYVAULT_URL_ENV] = key_vault_url
+        variables[KEYVAULT_SECRETS_ENV] = json.dumps({var: ref.secret for var, ref in sorted(refs.items())})
     return command(
         name=sub.name,
         command=WORKER_COMMAND,
@@ -150,6 +175,7 @@ def command_job(sub: Submission) -> Any:
         description=f"deepfleet job {sub.job_id}, attempt {sub.attempt}",
         tags={TAG_JOB_ID: sub.job_id, TAG_ATTEMPT: str(sub.attempt), TAG_RUN: sub.name,
               "deepfleet.job-name": sub.spec.metadata.name, "deepfleet.project": sub.spec.metadata.project},
+        identity=ManagedIdentityConfiguration() if refs else None,
     )
 
 
@@ -181,9 +207,11 @@ class AzureMLBackend:
 
     name = "azureml"
 
-    def __init__(self, ml_client: MLClient, *, log_poll_s: float = 5.0) -> None:
+    def __init__(self, ml_client: MLClient, *, log_poll_s: float = 5.0, key_vault_url: str | None = None) -> None:
+        """`key_vault_url`: the vault `env` secret references name secrets of (None: none allowed)."""
         self.ml_client = ml_client
         self.log_poll_s = log_poll_s
+        self.key_vault_url = key_vault_url
 
     def _get(self, name: str) -> Any | None:
         try:
@@ -202,7 +230,7 @@ class AzureMLBackend:
                                    transient=False)
             return
         try:
-            job = command_job(sub)
+            job = command_job(sub, key_vault_url=self.key_vault_url)
         except ValueError as e:
             raise BackendError(f"azureml: {e}", transient=False) from e
         try:

@@ -10,7 +10,8 @@ directory `<logs_dir>/<name>/` (the controller's own) holds `state.json` (pids, 
 This backend runs user code on the controller's host. What keeps a job to itself (see
 `controller.confine` and docs/security.md):
 - a clean environment: only the worker contract (`DEEPFLEET_WORKER_SPEC`, the job-scoped token, the
-  rendezvous variables), the job's own `env` (inside the WorkerSpec) and `PATH`/`LANG`-style
+  rendezvous variables), the job's own `env` (plain values inside the WorkerSpec; secret references
+  resolved through `secrets` straight into the processes' environment) and `PATH`/`LANG`-style
   variables listed in `env_passthrough`; nothing of the controller's own environment (database URL,
   admin token, signing key) reaches it;
 - its own session, and, when the controller runs as root, an unprivileged user (`run_as`);
@@ -49,6 +50,7 @@ from deepfleet.controller.confine import (
     resolve_inside,
     user_ids,
 )
+from deepfleet.controller.spec import secret_refs
 from deepfleet.worker.spec import FACTORY_MODULES_ENV, SPEC_ENV, FailureClass, classify_exit
 
 RUN_ENV = "DEEPFLEET_LOCAL_RUN"
@@ -131,6 +133,7 @@ class LocalBackend:
         env_passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH,
         factory_modules: tuple[str, ...] = (),
         worker_command: list[str] | None = None,
+        secrets: Callable[[str, str], str] | None = None,
         cancel_grace_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -139,7 +142,8 @@ class LocalBackend:
         project's own); `jobs_dir`: where job areas live (default `<logs_dir>/../jobs`); `run_as`: the user
         (name or uid) that runs jobs, None for the controller's own; `project_users`: a user per project instead
         of `run_as` (jobs of different projects then cannot see each other's processes or files); `factory_modules`: module prefixes a
-        factory may also name besides the code directory's own modules (admin allow-list)."""
+        factory may also name besides the code directory's own modules (admin allow-list); `secrets`:
+        `(project, name) -> value` for the spec's `env` secret references (raises LookupError)."""
         self.logs_dir = Path(logs_dir)
         self.slots = slots
         self.workdir = str(workdir) if workdir else str(Path.cwd())
@@ -149,6 +153,7 @@ class LocalBackend:
         self.env_passthrough = tuple(env_passthrough)
         self.factory_modules = tuple(factory_modules)
         self.worker_command = worker_command or default_worker_command()
+        self.secrets = secrets
         self.cancel_grace_s = cancel_grace_s
         self._clock = clock
         self._sleep = sleep
@@ -198,6 +203,7 @@ class LocalBackend:
             ws = self._confined_spec(sub, area, owner=owner)
         except ConfineError as e:
             raise BackendError(f"local run {sub.name}: {e}", transient=False) from e
+        secret_env = self._secret_env(sub, project)
         nodes = sub.worker_spec.nodes.max
         port = free_port()
         ws = ws.model_copy(update={"rendezvous": ws.rendezvous.model_copy(update={"endpoint": f"127.0.0.1:{port}"})})
@@ -209,7 +215,7 @@ class LocalBackend:
                  "min_nodes": sub.worker_spec.nodes.min, "port": port, "pids": [], "complete": False,
                  "status_dir": str(area.status)}
         self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
-        base = {**self._passthrough(), **sub.env, **self._area_env(area),
+        base = {**self._passthrough(), **secret_env, **sub.env, **self._area_env(area),
                 SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)), RUN_ENV: sub.name}
         user = {"user": owner[0], "group": owner[1], "extra_groups": []} if owner else {}
         try:
@@ -337,6 +343,21 @@ class LocalBackend:
                     for path in [ckpt, *ckpt.rglob("*")]:
                         os.chown(path, *owner, follow_symlinks=False)
         return ws.model_copy(update=update) if update else ws
+
+    def _secret_env(self, sub: Submission, project: str) -> dict[str, str]:
+        """The values of the spec's secret references, for the processes' environment only (never the
+        WorkerSpec, the state file or a log line)."""
+        refs = secret_refs(sub.spec)
+        if refs and self.secrets is None:
+            raise BackendError(f"local run {sub.name}: spec.env references secrets but this controller has no "
+                               "secret store; run it with `deepfleet server`", transient=False)
+        out = {}
+        for var, ref in refs.items():
+            try:
+                out[var] = self.secrets(project, ref.secret)  # type: ignore[misc]
+            except LookupError as e:
+                raise BackendError(f"local run {sub.name}: spec.env.{var}: {e}", transient=False) from None
+        return out
 
     def _area_env(self, area: JobArea) -> dict[str, str]:
         code = code_dir_for(self.workdir, project=area.project)

@@ -262,3 +262,17 @@ class Lease(Base):
     holder: Mapped[str] = mapped_column(String(64))
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
     renewed_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class StoredSecret(Base):
+    """A project's secret for `env` references on the local backend (`controller.db.secrets`): only the
+    Fernet token of the value is stored, and no API answer ever carries it."""
+
+    __tablename__ = "secrets"
+
+    project: Mapped[str] = mapped_column(ForeignKey("projects.name", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    ciphertext: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_by: Mapped[str | None] = mapped_column(String(64))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,6 @@ import httpx
 
 from deepfleet.controller.client import Client
 from tests.controller.conftest import ADMIN_TOKEN
-from tests.spawn import free_port
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
@@ -28,7 +28,11 @@ class Controller:
                  heartbeat_interval: float = 0.5, extra_env: dict[str, str] | None = None) -> None:
         """`extra_env` overrides the controller's environment (by default jobs run as the test's own user,
         `DEEPFLEET_LOCAL_USER` empty, since pytest's temporary directories are not reachable by others)."""
-        self.port = free_port()
+        # The test binds the listening socket (port 0) and hands it to the server: no port race.
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        self.port = listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.log = data_dir / f"controller-{replica}-{self.port}.log"
@@ -36,6 +40,7 @@ class Controller:
                "DEEPFLEET_SECRET": "e2e-secret", "DEEPFLEET_LEASE_SECONDS": str(lease_seconds),
                "OMP_NUM_THREADS": "1", "DEEPFLEET_LOCAL_USER": "", **(extra_env or {})}
         argv = [sys.executable, "-m", "deepfleet.controller.server", "--db", db_url, "--port", str(self.port),
+                "--fd", str(listener.fileno()),
                 "--data-dir", str(data_dir), "--slots", "16", "--reconcile-interval", "0.2",
                 "--replica-id", replica, "--heartbeat-interval", str(heartbeat_interval)]
         if workdir is not None:
@@ -43,7 +48,9 @@ class Controller:
         if worker_command is not None:
             argv += ["--worker-command", " ".join(worker_command)]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         pass_fds=[listener.fileno()])
+        listener.close()  # the server holds its own copy
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

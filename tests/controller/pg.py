@@ -1,4 +1,7 @@
-"""A throwaway PostgreSQL cluster for the controller tests (initdb + pg_ctl, fsync off, random port).
+"""A throwaway PostgreSQL cluster for the controller tests (initdb + pg_ctl, fsync off).
+
+The server listens only on a Unix socket in the cluster's own private folder, so no TCP port is
+chosen and bound later (two clusters, e.g. one per test process, can never race for a port).
 
 Used by `tests/controller/conftest.py` (session fixture) and `benchmarks/controller_api.py`.
 PostgreSQL refuses to run as root, so when the tests run as root the server runs as the `postgres`
@@ -10,7 +13,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -27,47 +29,59 @@ def _pg_bin() -> Path | None:
     return Path(initdb).parent if initdb else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _as_server_user(argv: list[str]) -> list[str]:
     if os.geteuid() != 0:
         return argv
     return ["runuser", "-u", "postgres", "--", *argv]
 
 
+class PostgresCluster:
+    """A private cluster (fsync off) on a Unix socket in its own folder; `stop()`/`start()` take it down and
+    up at the same address, as an outage would; `close()` removes it."""
+
+    def __init__(self) -> None:
+        pg_bin = _pg_bin()
+        if pg_bin is None:
+            raise RuntimeError("PostgreSQL server binaries not found; install postgresql (apt-get install postgresql)")
+        self.pg_bin = pg_bin
+        self.tmp = Path(tempfile.mkdtemp(prefix="deepfleet-pg-"))
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("postgres")
+            os.chown(self.tmp, user.pw_uid, user.pw_gid)
+        self.data = self.tmp / "data"
+        subprocess.run(
+            _as_server_user([str(pg_bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust",
+                             "-E", "UTF8", "--no-sync"]),
+            check=True, capture_output=True, timeout=120,
+        )
+        self.url = f"postgresql+psycopg://postgres@/postgres?host={self.tmp}"
+        self.start()
+
+    def start(self) -> None:
+        options = (f"-k {self.tmp} -c listen_addresses='' -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+        subprocess.run(
+            _as_server_user([str(self.pg_bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.tmp / "log"), "-w",
+                             "-o", options, "start"]),
+            check=True, capture_output=True, timeout=120,
+        )
+
+    def stop(self, *, mode: str = "fast") -> None:
+        """Stop the server (`fast`: sessions are cut, as in a failover; `immediate`: a crash)."""
+        subprocess.run(_as_server_user([str(self.pg_bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"]),
+                       check=True, capture_output=True, timeout=120)
+
+    def close(self) -> None:
+        subprocess.run(_as_server_user([str(self.pg_bin / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"]),
+                       capture_output=True, timeout=120)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 @contextmanager
 def postgres_cluster() -> Iterator[str]:
-    """Start a private cluster; yield its admin URL (postgresql+psycopg://postgres@127.0.0.1:<port>/postgres)."""
-    pg_bin = _pg_bin()
-    if pg_bin is None:
-        raise RuntimeError("PostgreSQL server binaries not found; install postgresql (apt-get install postgresql)")
-    tmp = Path(tempfile.mkdtemp(prefix="deepfleet-pg-"))
-    if os.geteuid() == 0:
-        user = pwd.getpwnam("postgres")
-        os.chown(tmp, user.pw_uid, user.pw_gid)
-    data = tmp / "data"
-    port = _free_port()
-    subprocess.run(
-        _as_server_user([str(pg_bin / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                         "-E", "UTF8", "--no-sync"]),
-        check=True, capture_output=True, timeout=120,
-    )
-    options = (f"-p {port} -k {tmp} -c listen_addresses=127.0.0.1 -c fsync=off "
-               "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-    subprocess.run(
-        _as_server_user([str(pg_bin / "pg_ctl"), "-D", str(data), "-l", str(tmp / "log"), "-w", "-o", options,
-                         "start"]),
-        check=True, capture_output=True, timeout=120,
-    )
+    """Start a private cluster; yield its admin URL (postgresql+psycopg://postgres@/postgres?host=<socket folder>)."""
+    cluster = PostgresCluster()
     try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+        yield cluster.url
     finally:
-        subprocess.run(
-            _as_server_user([str(pg_bin / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-            capture_output=True, timeout=120,
-        )
-        shutil.rmtree(tmp, ignore_errors=True)
+        cluster.close()

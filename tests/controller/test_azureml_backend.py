@@ -201,3 +201,24 @@ def test_the_workspace_comes_from_the_environment(fake) -> None:
     backend = azureml.from_env(env, credential=FakeCredential(), transport=fake)
     assert backend.observe("df-x-00000000-a1").phase is RunPhase.NOT_FOUND
     assert fake.calls[-1].path == f"{WORKSPACE}/jobs/df-x-00000000-a1"
+
+
+def test_secret_references_go_as_key_vault_references_with_a_managed_identity(fake) -> None:
+    vault = "https://df-vault.vault.azure.net"
+    backend = AzureMLBackend(connect(SUBSCRIPTION, "rg", "ws", credential=FakeCredential(), transport=fake,
+                                     retry_total=0), key_vault_url=vault)
+    sub = example_submission("azureml", env={"HF_TOKEN": {"secret": "hf-token"}, "TEAM": "nlp"})
+    backend.submit(sub)
+    props = fake.job_puts()[0].body["properties"]
+    env = props["environmentVariables"]
+    assert env["DEEPFLEET_KEYVAULT_URL"] == vault
+    assert json.loads(env["DEEPFLEET_KEYVAULT_SECRETS"]) == {"HF_TOKEN": "hf-token"}
+    assert "HF_TOKEN" not in env and json.loads(env["DEEPFLEET_WORKER_SPEC"])["env"] == {"TEAM": "nlp"}
+    assert props["identity"] == {"identityType": "Managed"}
+
+
+def test_a_secret_reference_without_a_key_vault_fails_the_submit_permanently(fake, backend) -> None:
+    sub = example_submission("azureml", env={"HF_TOKEN": {"secret": "hf-token"}})
+    with pytest.raises(BackendError, match="DEEPFLEET_AZUREML_KEY_VAULT") as err:
+        backend.submit(sub)
+    assert not err.value.transient and fake.job_puts() == []

@@ -194,3 +194,15 @@ def test_checkpoint_claim_needs_an_absolute_checkpoint_dir() -> None:
 
     with pytest.raises(SpecError, match=r"kubernetes\.checkpointClaim: .*absolute"):
         example_submission("kubernetes", kubernetes={"checkpointClaim": "c"}, checkpoint={"dir": "runs/x"})
+
+
+def test_secret_references_become_secret_key_refs_to_the_users_secrets() -> None:
+    sub = example_submission("kubernetes", env={"HF_TOKEN": {"secret": "hf", "key": "token"},
+                                                "WANDB_API_KEY": {"secret": "wandb"}, "TEAM": "nlp"})
+    job, secret, _ = manifests.render(sub, namespace="default", job_uid=JOB_UID)
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert env["WANDB_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "wandb", "key": "value"}}
+    assert json.loads(env["DEEPFLEET_WORKER_SPEC"]["value"])["env"] == {"TEAM": "nlp"}
+    assert set(secret["stringData"]) == {TOKEN_ENV}  # the run's own Secret holds only the job token
+    kubernetes_validate.validate(job, "1.33.0", strict=True)

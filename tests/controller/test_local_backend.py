@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from deepfleet.controller.backends.base import Backend, RunPhase
+from deepfleet.controller.backends.base import Backend, BackendError, RunPhase
 from deepfleet.controller.backends.local import LocalBackend, _alive, _marked
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.spec import validate_job
@@ -161,3 +161,19 @@ def test_a_job_starts_from_an_empty_area_unless_it_resumes_from_a_job_of_its_pro
     assert "resuming from global_step4" in "".join(be.logs(resumed.name))
     source = be.jobs_dir / "test" / "aaaa000011112222" / "checkpoints" / "ck"
     assert (source / "latest").read_text().strip() == "global_step4"  # the source is left as it was
+
+
+def test_a_missing_secret_fails_the_submit_permanently_naming_the_reference(tmp_path: Path) -> None:
+    doc = job_document("needs-secret", nodes=1)
+    doc["spec"]["env"] = {"HF_TOKEN": {"secret": "hf"}}
+    sub = compile_submission(validate_job(doc), job_id="0123456789abcdef", attempt=0,
+                             controller_url="http://127.0.0.1:9", secret="s")
+
+    def store(project: str, name: str) -> str:
+        raise LookupError(f"secret {name!r} is not in project {project!r}'s secret store; set it")
+
+    for secrets, reason in ((None, "has no secret store"), (store, "spec.env.HF_TOKEN: secret 'hf' is not in")):
+        be = LocalBackend(tmp_path / "logs", slots=1, workdir=tmp_path, worker_command=FAKE_WORKER, secrets=secrets)
+        with pytest.raises(BackendError, match=reason) as err:
+            be.submit(sub)
+        assert not err.value.transient and be.observe(sub.name).phase is RunPhase.NOT_FOUND

@@ -1,6 +1,7 @@
 """The web page end to end in real headless Chromium (selenium + chromedriver) against a real
 controller process: a YAML with an error shows the field-path error inline; a valid one appears in
-the job list; its page shows events and the log tail."""
+the job list; its page shows events and the log tail; the page runs under its Content-Security-Policy
+without one violation, and keeps the token in this tab's sessionStorage, never localStorage."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def browser(tmp_path: Path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP violations land in the console
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
                  "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  f"--user-data-dir={tmp_path / 'chrome-profile'}", "--window-size=1280,1000"):
@@ -98,5 +100,45 @@ def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, t
         # the job list's Step column
         browser.get(c.url + "/#/")
         wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#jobs tbody tr td.step").text == "3")
+    finally:
+        c.stop()
+
+
+def test_the_page_runs_under_its_csp_and_keeps_the_token_in_this_tab_only(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.controller.conftest import ADMIN_TOKEN
+
+    c = Controller(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "data", worker_command=FAKE_WORKER)
+    wait = WebDriverWait(browser, 20)
+    try:
+        browser.get(c.url + "/")
+        browser.execute_script("localStorage.setItem('deepfleet.token', 'left-by-an-older-page')")
+        browser.refresh()
+        wait.until(ec.presence_of_element_located((By.ID, "token"))).send_keys(ADMIN_TOKEN)
+        browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        assert browser.execute_script("return sessionStorage.getItem('deepfleet.token')") == ADMIN_TOKEN
+        assert browser.execute_script("return localStorage.getItem('deepfleet.token')") is None
+
+        doc = job_document("web-csp", args=["--steps", "3"])
+        doc["metadata"]["project"] = "test"
+        job = c.client.submit(yaml.safe_dump(doc))["id"]
+        browser.get(c.url + "/#/jobs/" + job)  # the same tab: the token is still there after a navigation
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#plot-legend .swatch"))
+        color = browser.execute_script(  # in one call: the page redraws the legend every 2 s
+            "return getComputedStyle(document.querySelector('#plot-legend .swatch')).color")
+        assert color == "rgb(217, 72, 15)"  # the loss colour, set through CSSOM (the CSP blocks style attributes)
+        assert browser.find_element(By.ID, "events").text
+
+        browser.switch_to.new_window("tab")  # another tab starts without the token
+        browser.get(c.url + "/")
+        wait.until(ec.presence_of_element_located((By.ID, "token")))
+        assert browser.find_element(By.ID, "token").get_attribute("value") == ""
+        assert browser.execute_script("return sessionStorage.getItem('deepfleet.token')") is None
+
+        violations = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+        assert violations == []
     finally:
         c.stop()

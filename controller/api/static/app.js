@@ -3,7 +3,10 @@
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
-let token = localStorage.getItem("deepfleet.token") || "";
+// The token lives in sessionStorage: this tab only, gone when it closes, never written to the profile
+// on disk (localStorage keeps it for every later visitor of the browser profile). See docs/security.md.
+localStorage.removeItem("deepfleet.token");  // what older versions of this page kept
+let token = sessionStorage.getItem("deepfleet.token") || "";
 let timer = null;
 
 async function api(method, path, { body, type } = {}) {
@@ -141,7 +144,8 @@ function plot(points, phase) {
                                     (p.time ? ` (${when(p.time)})` : "")));
       svg.append(dot);
     }
-    const swatch = el("span", { style: `color:${s.color};font-weight:700` }, "\u25A0 ");
+    const swatch = el("span", { class: "swatch" }, "\u25A0 ");
+    swatch.style.color = s.color;  // CSSOM, which the page's CSP allows (a style attribute it would block)
     legend.push(el("span", {}, swatch, `${s.label}: ${fmt(ys[ys.length - 1])} at step ${vals[vals.length - 1].step}   `));
   }
   $("#plot-legend").replaceChildren(...legend, `${pts.length} heartbeat(s), steps ${x0}..${x1}`);
@@ -245,7 +249,7 @@ $("#token").value = token;
 $("#token-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
   token = $("#token").value.trim();
-  localStorage.setItem("deepfleet.token", token);
+  sessionStorage.setItem("deepfleet.token", token);
   $("#token-status").textContent = token ? "token set" : "no token";
   route();
 });

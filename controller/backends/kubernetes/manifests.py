@@ -19,6 +19,9 @@ Layout of one run named `<name>` (the deterministic `run_name`, so a resubmissio
 * Secret `<name>-token`: the values of `SECRET_ENV` (the job-scoped `DEEPFLEET_TOKEN`), which the
   container reads through `valueFrom.secretKeyRef`, so reading the Job (or its pods' specs) does not
   reveal the token; every other variable stays a plain env value. Owned by the Job like the Service.
+  An `env: {VAR: {secret: s, key: k}}` entry of the spec becomes `valueFrom.secretKeyRef` to the
+  user's own Secret `s` (key `k`, default `value`) in the job's namespace; the project's policy
+  (`ProjectPolicy.secrets`) says which Secrets it may name, and the value never passes the controller.
 * With `spec.kubernetes.kueueQueue` the Job is created suspended with Kueue's queue-name label and
   Kueue admits it (unsuspends it) when its quota allows.
 """
@@ -30,7 +33,7 @@ from typing import Any
 
 from deepfleet.controller.backends.base import Submission
 from deepfleet.controller.backends.kubernetes import names
-from deepfleet.controller.spec import KubernetesOptions, node_bounds
+from deepfleet.controller.spec import SECRET_KEY_DEFAULT, KubernetesOptions, node_bounds, secret_refs
 from deepfleet.worker.spec import TOKEN_ENV
 
 CONTAINER = "worker"
@@ -92,6 +95,9 @@ def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(fixed.items())]
     env.extend({"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(sub.name), "key": k}}}
                for k in _secret_values(sub))
+    # The spec's own secret references: Secrets in the job's namespace (the policy says which).
+    env.extend({"name": var, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key or SECRET_KEY_DEFAULT}}}
+               for var, ref in sorted(secret_refs(sub.spec).items()))
     env.append({"name": "DEEPFLEET_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
     env.append({"name": "DEEPFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     return env

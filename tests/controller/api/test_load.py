@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 
 import httpx
 import pytest
@@ -53,14 +52,9 @@ def test_the_gate_sheds_load_with_429_and_lets_health_through() -> None:
     assert nul.status_code == 422 and "NUL" in nul.json()["errors"][0]
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_an_unreachable_database_is_503_json_logged_once(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    url = f"postgresql+psycopg://postgres@127.0.0.1:{_closed_port()}/none?connect_timeout=1"
+    # a socket folder where no server listens: unreachable without guessing at a free TCP port
+    url = f"postgresql+psycopg://postgres@/none?host={tmp_path / 'no-server'}&connect_timeout=1"
     settings = Settings(data_dir=tmp_path, database_url=url, migrate_on_start=False, secret="s")
     app = create_app(settings)
     caplog.set_level(logging.WARNING, logger="deepfleet.controller.api")
