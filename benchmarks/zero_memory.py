@@ -93,18 +93,35 @@ def measure_rank(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def run(impl: str, stage: int, gas: int, extra: list[str]) -> dict | None:
+def run(impl: str, stage: int, gas: int, extra: list[str], *, timeout: int = 600) -> dict | None:
     venv = ROOT / (".venv-deepspeed" if impl == "deepspeed" else ".venv")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
     cmd = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(Path(__file__)), "--rank-run", "--impl", impl, "--stage", str(stage), "--gas", str(gas), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        # A run that hangs (DeepSpeed waiting on a stale JIT-build lock is the usual one) is reported as
+        # this stage's error and the driver goes on, instead of the exception ending every later row.
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        hint = " ".join(str(p) for p in stale_build_locks()) if impl == "deepspeed" else ""
+        print(json.dumps({"bench": "zero_memory", "impl": impl, "stage": stage, "gas": gas,
+                          "error": f"timed out after {timeout} s" + (f"; delete the stale lock(s) {hint}" if hint else ""),
+                          "stderr": stderr[-1500:]}), flush=True)
+        return None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(json.dumps({"bench": "zero_memory", "impl": impl, "stage": stage, "gas": gas,
                           "error": proc.stderr[-1500:]}), flush=True)
         return None
     return json.loads(lines[-1])
+
+
+def stale_build_locks() -> list[Path]:
+    """`lock` files under torch's extension cache: one left by a killed build makes every later
+    DeepSpeed start wait on it forever."""
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return sorted(cache.glob("**/lock")) if cache.is_dir() else []
 
 
 def main() -> None:
@@ -125,6 +142,9 @@ def main() -> None:
         measure_rank(args)
         return
     impls = ["deepfleet"] + (["deepspeed"] if (ROOT / ".venv-deepspeed" / "bin" / "python").exists() else [])
+    if "deepspeed" in impls and stale_build_locks():
+        print(json.dumps({"bench": "zero_memory", "warning": "DeepSpeed may hang on these build locks; delete "
+                          "them if no build is running: " + " ".join(map(str, stale_build_locks()))}), flush=True)
     shape = ["--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--d-model", str(args.d_model),
              "--layers", str(args.layers), "--vocab", str(args.vocab), "--seq", str(args.seq), *extra]
     for gas in (int(g) for g in args.gas_list.split(",")):

@@ -8,7 +8,7 @@ DeepSpeed's `runtime/zero/config.py` and `offload_config.py`. Read by the ZeRO s
 Typed per stage: `READ_AT_STAGES` names the knobs that only some stages read (DeepSpeed's own split:
 its stage-1/2 optimizer takes `allgather_*`, `reduce_scatter` and `round_robin_gradients`, its
 stage-3 optimizer the `stage3_*` knobs and `sub_group_size`; our own
-`deepfleet_local_grad_accumulation` is stage 2's), and `out_of_stage` reports each one
+`deepfleet_local_grad_accumulation` is read at stages 2 and 3), and `out_of_stage` reports each one
 set at a stage that does not read it. The rule, and why:
 - at DeepSpeed's default value (or HF's `"auto"`) such a knob is accepted silently: published
   example configs carry them at every stage (HF's and DeepSpeed's templates, LLaVA's `zero2.json`
@@ -108,11 +108,12 @@ class ZeroConfig(ConfigSection):
     overlap_comm: Bool | None = None
     """Overlap gradient reduction with the backward pass; unset = true at stage 3, false otherwise."""
     deepfleet_local_grad_accumulation: Bool = False
-    """deepfleet's own key (not DeepSpeed's). Stage 2 with gradient accumulation: false (DeepSpeed's
-    semantics) reduce-scatters gradients into the partitioned shards on every micro-step, so full
-    gradients never outlive their bucket; true accumulates full gradients locally and communicates only
-    on the boundary micro-step (1/gradient_accumulation_steps of the traffic, but 4 bytes per parameter
-    of full fp32 gradients held through the window). Read at stage 2 only."""
+    """deepfleet's own key (not DeepSpeed's). Stages 2 and 3 with gradient accumulation: false
+    (DeepSpeed's semantics) reduce-scatters gradients into the partitioned shards on every micro-step,
+    so full gradients never outlive their bucket (stage 2) or FSDP unit (stage 3); true accumulates full
+    gradients locally and communicates only on the boundary micro-step (1/gradient_accumulation_steps
+    of the gradient traffic, but 4 bytes per parameter of full fp32 gradients held through the window).
+    Read at stages 2 and 3 (stages 0 and 1 always accumulate locally)."""
     round_robin_gradients: Bool = False
     """Stages 1/2 with CPU offload: spread gradient copies to host over ranks in round-robin order."""
     sub_group_size: Int = Field(1_000_000_000, ge=0)
@@ -193,7 +194,7 @@ READ_AT_STAGES: dict[str, frozenset[int]] = {
     "allgather_bucket_size": frozenset({1, 2}),
     "reduce_scatter": frozenset({1, 2}),
     "round_robin_gradients": frozenset({1, 2}),
-    "deepfleet_local_grad_accumulation": frozenset({2}),
+    "deepfleet_local_grad_accumulation": frozenset({2, 3}),
     "sub_group_size": frozenset({3}),
     "stage3_prefetch_bucket_size": frozenset({3}),
     "stage3_param_persistence_threshold": frozenset({3}),

@@ -11,11 +11,14 @@ global batch continues with the same batches).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+_END = object()  # the end of an epoch's batches
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -52,12 +55,20 @@ class TrainingDataLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **kwargs)
         self.epoch = 0
         self.samples_consumed = 0
+        # Set by the engine that owns this loader: a context manager timing each batch fetch (the
+        # "data" phase of its StepMetrics).
+        self.fetch_timer: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def __iter__(self) -> Iterator[Any]:
         sampler: ResumableDistributedSampler = self.sampler  # type: ignore[assignment]
         sampler.set_epoch(self.epoch)
         sampler.start = self.samples_consumed
-        for batch in super().__iter__():
+        batches = super().__iter__()
+        while True:
+            with self.fetch_timer():
+                batch = next(batches, _END)
+            if batch is _END:
+                break
             self.samples_consumed += self.batch_size * sampler.num_replicas  # type: ignore[operator]
             yield batch
         self.epoch += 1

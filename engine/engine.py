@@ -72,6 +72,8 @@ class DeepFleetEngine(nn.Module):
         # model-state high-water mark over the current optimizer step, and the last completed step's
         self.memory = HighWater(self.sharding)
         self.peak_model_state_bytes = 0
+        if training_dataloader is not None:  # batch fetches from our own loader are the "data" phase
+            training_dataloader.fetch_timer = lambda: self._recorder.timed("data")
 
     # --- the training protocol ------------------------------------------------------------------
 

@@ -64,8 +64,9 @@ class StepMetrics:
     """Wall-clock seconds since the previous step ended (or since the engine was built)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase summed over the window's micro-steps: "forward", "backward", "step"
-    (gradient reduction, clipping, optimizer and publishing), and "checkpoint" when `save_checkpoint`
-    ran since the previous step."""
+    (gradient reduction, clipping, optimizer and publishing), "data" (fetching the window's batches from
+    the engine's own data loader, present when `initialize` got `training_data`), and "checkpoint" when
+    `save_checkpoint` ran since the previous step."""
     comm_bytes: int = 0
     """Bytes this rank sent through `deepfleet.engine.comm` during the step (its forward, backward and
     optimizer phases, every micro-step): the difference of `comm.counters()` over the step."""

@@ -12,6 +12,13 @@ after forward (FSDP2's default; the root stays gathered), so model states stay n
 16P/N bytes through the step; keeping blocks gathered until backward, as DeepSpeed does at its default
 `stage3_max_reuse_distance`, would save one all-gather per block per step for 4P bytes more mid-step.
 
+Gradient accumulation follows DeepSpeed's stage 3: every micro-step reduce-scatters, and FSDP2 adds
+each micro-step's shard into the sharded gradient, so no unsharded gradient outlives its unit's backward
+(model states stay near 16P/N through the window). `zero_optimization.deepfleet_local_grad_accumulation`
+(deepfleet's own key, with the meaning it has at stage 2) turns FSDP2's gradient sync off on
+non-boundary micro-steps instead: unsharded gradients (4P bytes) accumulate locally and only the
+boundary micro-step communicates, 1/gradient_accumulation_steps of the gradient traffic.
+
 16-bit training uses FSDP2's `MixedPrecisionPolicy`: the fp32 shards are the master weights, each
 all-gather casts to the compute dtype, and gradients are reduced in fp32 (gloo would sum bf16 in bf16).
 """
@@ -67,6 +74,7 @@ class FSDPStrategy:
             for unit in [*units, model]:
                 unit.set_custom_reduce_scatter(RingReduceScatter())
         self.module = model
+        self.local_accumulation = bool(getattr(zero_config, "deepfleet_local_grad_accumulation", False))
         self._params = dict(model.named_parameters())
         self._optimizer: torch.optim.Optimizer | None = None
 
@@ -89,8 +97,11 @@ class FSDPStrategy:
         self._optimizer = optimizer
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        # Read by FSDP2 in backward: without sync, unsharded gradients accumulate locally.
-        self.module.set_requires_gradient_sync(enabled)
+        # Read by FSDP2 in backward. By default every micro-step reduce-scatters (DeepSpeed's stage-3
+        # semantics): FSDP2 adds each micro-step's reduced shard into the sharded p.grad, so no
+        # unsharded gradient outlives its unit's backward. With local accumulation, non-boundary
+        # micro-steps keep FSDP2's unsharded gradients instead (4P bytes through the window).
+        self.module.set_requires_gradient_sync(enabled or not self.local_accumulation)
 
     def _local_grads(self) -> list[torch.Tensor]:
         return [_local(p.grad) for p in self._params.values() if p.grad is not None]

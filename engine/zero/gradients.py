@@ -11,6 +11,12 @@ replicated tensors (stage 0), this rank's rows as `DTensor` `Shard(0)` views (st
   group with one all-reduce per mesh (not one per tensor), so the norm is the whole-model norm whatever
   the sharding. A `Replicate` DTensor counts once, like a plain tensor.
 
+Where the norm is taken anyway (it always is: `clip_grad_norm_` reports it even without clipping),
+a strategy may take it first and read overflow from it — the norm is nonfinite exactly when some
+element is (or when the squares overflow fp32, an update no step should apply) — which saves the
+per-tensor `isfinite` pass and its all-reduce (stages 1/2 do; `clip_to_norm_` then clips with it).
+DeepSpeed's stage 1/2 in fp32 also runs no separate overflow check and reads an invalid norm as one.
+
 `torch.nn.utils.clip_grad_norm_` would also handle DTensors, but it reduces every sharded tensor's
 norm separately (one collective per parameter) and needs all tensors on one mesh; stages 1/2 may carry
 several process groups (one per param group), hence this module.
@@ -95,11 +101,18 @@ def clip_by_global_norm_(
     `min(1, max_norm / (norm + 1e-6))`; `max_norm <= 0` means no clipping). Returns the pre-clip norm
     as a python float, identical on every rank. `group` as in `global_norm`."""
     grads = list(grads)
-    norm = global_norm(grads, group)
-    value = float(norm.item())
+    value = float(global_norm(grads, group).item())
+    clip_to_norm_(grads, max_norm, norm=value)
+    return value
+
+
+def clip_to_norm_(grads: Sequence[torch.Tensor], max_norm: float, *, norm: float) -> None:
+    """The scaling of `clip_by_global_norm_` for a global norm already computed (`norm`, identical on
+    every rank): a strategy that took the norm in `finish_gradients` to learn whether any gradient is
+    inf/nan (a nonfinite element makes the norm nonfinite on every rank, so the all-reduce of the
+    squares is also the overflow agreement) clips with it, without a second reduction."""
     locals_ = [t for t in map(_local, grads) if t.numel()]
     if max_norm > 0 and locals_:
-        coef = max_norm / (value + 1e-6)
+        coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             torch._foreach_mul_(locals_, coef)
-    return value

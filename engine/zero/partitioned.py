@@ -26,6 +26,12 @@ foreach optimizers run unchanged on the local rows. DTensor's `Shard(0)` splits 
 A 0-dim parameter is laid out as one row: its optimizer tensor has global shape (1,), owned by group
 rank 0.
 
+On gloo a group's parameters are views of one param-major flat buffer (`zero/flat.py`): publishing the
+updated rows is an in-place all-reduce of the parameters themselves (other ranks' rows zeroed), and stage
+1 reduces its full gradients the same way, in place, with `p.grad` a view of the reduced chunk — no
+rank-major packing, landing copy or unpacking. Other backends use `zero/layout.py`'s rank-major
+buckets with the real reduce-scatter and all-gather.
+
 Memory per rank, P parameters, N ranks, fp32 AdamW (no master copy: the optimizer's tensors are views):
 stage 1 holds 4P params + 4P full grads + 8P/N Adam state (16-bit: + 4P/N masters + 4P/N fp32 gradient
 shards); stage 2 holds 4P params + 4P/N gradient shards + 8P/N Adam state. Beside that, only flat
@@ -33,9 +39,9 @@ buffers of at most `reduce_bucket_size` elements exist while a bucket is reduced
 with `overlap_comm`), each released as its reduction lands.
 
 Step protocol, per optimizer step:
-  stage 1: micro-steps accumulate full `p.grad` with no communication; `finish_gradients` reduce-scatters
-           bucket by bucket into this rank's rows (with `overlap_comm`, packing the next bucket while
-           the previous one is in flight).
+  stage 1: micro-steps accumulate full `p.grad` with no communication; `finish_gradients` reduces
+           bucket by bucket (chunk by chunk on gloo) into this rank's rows (with `overlap_comm`, packing
+           the next one while the previous one is in flight).
   stage 2: on every micro-step (DeepSpeed's semantics: stage 2 is the memory stage) a
            post-accumulate-grad hook packs each final gradient into its bucket's flat buffer and frees
            `p.grad`; a full bucket launches a reduce-scatter (async with `overlap_comm`) that adds into
@@ -45,8 +51,9 @@ Step protocol, per optimizer step:
            (deepfleet's own key, not DeepSpeed's) non-boundary micro-steps instead accumulate full
            `p.grad` locally and only the boundary micro-step communicates: 1/gas of the communication,
            at the cost of full gradients (4P) living through the accumulation window.
-  both:    average over each group's ranks and unscale (one division: no PREMUL_SUM on gloo), agree on
-           inf/nan and clip (`zero/gradients.py`), step, then `after_optimizer_step` all-gathers the
+  both:    average over each group's ranks and unscale (one division: no PREMUL_SUM on gloo), take the
+           global norm, whose all-reduce is also the inf/nan agreement, clip with it
+           (`zero/gradients.py`), step, then `after_optimizer_step` all-gathers the
            updated rows. A parameter that got no gradient is reduced as zeros (as DDP and DeepSpeed do),
            so weight decay still applies to it.
 
@@ -58,6 +65,7 @@ owner, group rank 0, broadcasts it).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +77,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from deepfleet.engine import comm
-from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
+from deepfleet.engine.zero.flat import GradChunk, ParamRun, flatten, gather_in_place, reduce_grads_in_place
+from deepfleet.engine.zero.gradients import clip_to_norm_, global_norm
 from deepfleet.engine.zero.layout import (
     Bucket,
     Landing,
@@ -78,6 +87,7 @@ from deepfleet.engine.zero.layout import (
     build_buckets,
     local_rows,
     make_slot,
+    on_gloo,
     reduce_scatter,
 )
 
@@ -142,6 +152,9 @@ class _Partitioned(ABC):
         self._groups_of: list[dist.ProcessGroup | None] | None = None  # per parameter, once laid out
         self._inflight: list[Landing] = []  # reductions not yet landed (their flats are alive)
         self._staged: list[torch.Tensor] = []  # flat buffers being packed (stage 1)
+        self._grad_chunks: list[GradChunk] = []  # stage 1 on gloo: in-place reductions in flight
+        self._param_runs: list[ParamRun] = []  # gloo groups' parameters as views of flat buffers
+        self._norm: float | None = None  # the global gradient norm taken by finish_gradients
         previous = _LAYOUT_HOOKS.get(model)
         if previous is not None:
             previous.remove()
@@ -176,21 +189,29 @@ class _Partitioned(ABC):
             make_slot(n, p.shape, offset=0, world_size=comm.get_world_size(pg), rank=comm.get_rank(pg))
             for n, p, pg in zip(self._names, self._params, groups_of, strict=True)
         ]
-        # Masters come from the fp32 model before the cast, so they are exact.
-        locals_ = [local_rows(p.detach(), s) for p, s in zip(self._params, self._slots, strict=True)]
+        order: list[dist.ProcessGroup | None] = []  # process groups in first-appearance order
+        for pg in groups_of:
+            if not any(pg is g for g in order):
+                order.append(pg)
+        self._order = order
+        masters: list[torch.Tensor] = []
         if self.mixed:
-            locals_ = [t.to(_MASTER_DTYPE, copy=True) for t in locals_]
+            # Masters come from the fp32 model before the cast, so they are exact.
+            masters = [local_rows(p.detach(), s).to(_MASTER_DTYPE, copy=True) for p, s in zip(self._params, self._slots, strict=True)]
             self.module.to(self.compute_dtype)  # keeps Parameter identity (p.data is swapped)
+        # On gloo each group's parameters become views of one flat buffer (zero/flat.py), before the
+        # optimizer's fp32 views of them are taken.
+        self._param_runs = flatten(
+            self._params,
+            [(pg, [i for i, g in enumerate(groups_of) if g is pg]) for pg in order if on_gloo(pg)],
+        )
+        locals_ = masters or [local_rows(p.detach(), s) for p, s in zip(self._params, self._slots, strict=True)]
         self._opt_locals = locals_
         self._opt_tensors = [self._dtensor(t, i) for i, t in enumerate(locals_)]
 
         self._reduce_buckets: list[Bucket] = []
-        self._gather_buckets: list[Bucket] = []
+        self._gather_buckets: list[Bucket] = []  # groups not on gloo (gloo gathers in place)
         self._queues: list[list[int]] = []  # per process group: its reduce buckets, in launch order
-        order: list[dist.ProcessGroup | None] = []
-        for pg in groups_of:
-            if not any(pg is g for g in order):
-                order.append(pg)
         for pg in order:
             named = [(n, p) for n, p, g in zip(self._names, self._params, groups_of, strict=True) if g is pg]
             size, rank = comm.get_world_size(pg), comm.get_rank(pg)
@@ -198,9 +219,10 @@ class _Partitioned(ABC):
             start = len(self._reduce_buckets)
             self._queues.append(list(range(start, start + len(reduce))))
             self._reduce_buckets += reduce
-            self._gather_buckets += build_buckets(
-                named, bucket_numel=self._gather_numel, world_size=size, rank=rank, group=pg
-            )
+            if not on_gloo(pg):
+                self._gather_buckets += build_buckets(
+                    named, bucket_numel=self._gather_numel, world_size=size, rank=rank, group=pg
+                )
         self._queue_of = {b: q for q, bs in enumerate(self._queues) for b in bs}
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (reduce bucket, slot)
         for b, bucket in enumerate(self._reduce_buckets):
@@ -290,22 +312,42 @@ class _Partitioned(ABC):
             by_divisor.setdefault(float(bucket.world_size) * float(grad_scale), []).extend(targets)
         for divisor, tensors in by_divisor.items():
             torch._foreach_div_(tensors, divisor)
-        checked = self._grad_segments or [self._local_grad(i) for i in range(len(self._params))]
-        return any_nonfinite(checked, self.group)
+        # The global norm is needed anyway (clip_grad_norm_ reports it); it is nonfinite on every rank
+        # exactly when some rank's gradients hold inf/nan, so its one all-reduce is also the overflow
+        # agreement (zero/gradients.py).
+        self._norm = self._global_grad_norm()
+        return not math.isfinite(self._norm)
+
+    def _global_grad_norm(self) -> float:
+        if self._grad_segments:
+            # one norm per bucket segment (padding is zero), each a Shard(0) piece over its bucket's group
+            pieces: list[torch.Tensor] = [
+                DTensor.from_local(segment, self._mesh(bucket.group), [Shard(0)], run_check=False)
+                for segment, bucket in zip(self._grad_segments, self._reduce_buckets, strict=True)
+            ]
+        else:
+            pieces = [t.grad for t in self._opt_tensors if t.grad is not None]
+        return float(global_norm(pieces).item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         grads = [t.grad for t in self._opt_tensors if t.grad is not None]
-        return clip_by_global_norm_(grads, max_norm, None)
+        norm = self._norm if self._norm is not None else float(global_norm(grads).item())
+        self._norm = None
+        clip_to_norm_(grads, max_norm, norm=norm)
+        return norm
 
     def after_optimizer_step(self) -> None:
         with torch.no_grad():
             if self.mixed:
                 for p, slot, master in zip(self._params, self._slots, self._opt_locals, strict=True):
                     local_rows(p.detach(), slot).copy_(master)
+            for run in self._param_runs:
+                gather_in_place(run, self._params, self._slots, bound=self._gather_numel)
             for bucket in self._gather_buckets:
                 all_gather_params(bucket)
 
     def zero_grad(self) -> None:
+        self._norm = None
         for p in self._params:
             p.grad = None
         if self._groups_of is not None:
@@ -337,7 +379,11 @@ class _Partitioned(ABC):
 
     def _transient_buffers(self) -> list[torch.Tensor]:
         """Flat buffers alive right now (packed or in flight): reported as gradient memory."""
-        return self._staged + [landing.flat for landing in self._inflight if landing.flat is not None]
+        return (
+            self._staged
+            + [landing.flat for landing in self._inflight if landing.flat is not None]
+            + [chunk.flat for chunk in self._grad_chunks]
+        )
 
     def _probe(self, point: str) -> None:
         if self.memory_probe is not None:
@@ -544,34 +590,69 @@ class ZeroStage1(_Partitioned):
         """Stage 1 keeps no per-bucket state between calls."""
 
     def _reduce(self) -> None:
-        # Per process group, buckets in order. With overlap_comm, bucket b+1 is packed while bucket b is
-        # in flight (two flat buffers at most); without, each flat is released before the next exists.
-        landed: list[tuple[Landing, int, torch.Tensor]] = []
+        # Per process group, buckets in order: on gloo in place (zero/flat.py), elsewhere rank-major.
+        # With overlap_comm, the next chunk or bucket is packed while the previous one is in flight (two
+        # flat buffers at most); without, each flat is released before the next exists.
         with torch.no_grad():
-            for queue in self._queues:
-                for b in queue:
-                    bucket = self._reduce_buckets[b]
-                    flat = torch.empty(bucket.flat_numel, dtype=_MASTER_DTYPE, device=bucket.params[0].device)
-                    for s, p in enumerate(bucket.params):
-                        bucket.pack(flat, s, p.grad)
-                    # 16-bit: reduce straight into the fp32 shards; fp32: into a segment copied into p.grad
-                    segment = (
-                        self._grad_segments[b]
-                        if self._grad_segments
-                        else torch.empty(bucket.segment_numel, dtype=_MASTER_DTYPE, device=flat.device)
-                    )
-                    self._staged = [flat, segment]
-                    self._probe("reduce")
-                    landing = reduce_scatter(bucket, flat, segment, async_op=self.overlap_comm)
-                    del flat
-                    self._staged = []
-                    self._track(landing)
-                    landed.append((landing, b, segment))
-                    while landed and landed[0][0].done:
-                        self._land(*landed.pop(0))
-            self._drain()
-            for item in landed:
-                self._land(*item)
+            for q, queue in enumerate(self._queues):
+                if on_gloo(self._order[q]):
+                    self._reduce_in_place(self._order[q])
+                else:
+                    self._reduce_rank_major(queue)
+
+    def _reduce_in_place(self, pg: dist.ProcessGroup | None) -> None:
+        for run in self._param_runs:
+            if run.group is not pg:
+                continue
+            chunks = reduce_grads_in_place(
+                run, self._params, bound=self._reduce_numel, dtype=_MASTER_DTYPE, async_op=self.overlap_comm,
+                staged=self._stage_flat,
+            )
+            for chunk in chunks:
+                self._staged = []
+                self._grad_chunks.append(chunk)
+                while len(self._grad_chunks) > 1:
+                    self._land_chunk(self._grad_chunks.pop(0))
+        while self._grad_chunks:
+            self._land_chunk(self._grad_chunks.pop(0))
+
+    def _stage_flat(self, flat: torch.Tensor) -> None:
+        self._staged = [flat]
+        self._probe("reduce")
+
+    def _land_chunk(self, chunk: GradChunk) -> None:
+        """fp32: p.grad already is the reduced chunk's view; 16-bit: copy this rank's rows into the fp32
+        gradient shards (p.grad stays the 16-bit gradient)."""
+        chunk.wait()
+        if self._grad_segments:
+            for i, view in chunk.views:
+                self._local_grad(i).copy_(local_rows(view, self._slots[i]))
+
+    def _reduce_rank_major(self, queue: list[int]) -> None:
+        landed: list[tuple[Landing, int, torch.Tensor]] = []
+        for b in queue:
+            bucket = self._reduce_buckets[b]
+            flat = torch.empty(bucket.flat_numel, dtype=_MASTER_DTYPE, device=bucket.params[0].device)
+            for s, p in enumerate(bucket.params):
+                bucket.pack(flat, s, p.grad)
+            # 16-bit: reduce straight into the fp32 shards; fp32: into a segment copied into p.grad
+            segment = (
+                self._grad_segments[b]
+                if self._grad_segments
+                else torch.empty(bucket.segment_numel, dtype=_MASTER_DTYPE, device=flat.device)
+            )
+            self._staged = [flat, segment]
+            self._probe("reduce")
+            landing = reduce_scatter(bucket, flat, segment, async_op=self.overlap_comm)
+            del flat
+            self._staged = []
+            self._track(landing)
+            landed.append((landing, b, segment))
+            while landed and landed[0][0].done:
+                self._land(*landed.pop(0))
+        self._drain()
+        for item in landed:
+            self._land(*item)
 
     def _land(self, landing: Landing, b: int, segment: torch.Tensor) -> None:
         """In fp32 mode copy this rank's reduced rows into p.grad, where the optimizer's views point."""

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from deepfleet.engine.zero.flat import chunks
 from deepfleet.engine.zero.layout import all_gather_params, build_buckets
 from tests.engine.partitioned_cases import (
     LR,
@@ -117,6 +118,8 @@ def _accumulate(rank: int, world_size: int, stage: int, local: bool = False) -> 
     return {
         "counts": counts,
         "buckets": len(strategy._reduce_buckets),
+        # stage 1 on gloo reduces param-major chunks in place (zero/flat.py), not rank-major buckets
+        "chunks": sum(len(list(chunks(run.members, strategy._reduce_numel))) for run in strategy._param_runs),
         "params": {k: p.detach().clone() for k, p in model.named_parameters()},
         "full_grads_left": full_grads_left,
     }

@@ -52,28 +52,17 @@ def ideal_bytes(stage: int, params: int, world_size: int) -> float:
     return {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}[stage]
 
 
-# FSDP2 with gradient sync off keeps unsharded gradients through the accumulation window (measured
-# 10.6P at stage 3, gas 4, where the ideal is 8P): stage 3 must reduce-scatter on every micro-step, as
-# DeepSpeed's does, before this case can hold (zero/fsdp.py's set_gradient_sync).
-_STAGE3_ACCUMULATES_UNSHARDED = pytest.mark.xfail(
-    strict=True, reason="zero/fsdp.py accumulates unsharded gradients while gradient sync is off"
-)
-
-
 @pytest.mark.parametrize("gas", [1, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_peak_model_state_over_a_step_is_near_the_zero_ideal(
-    stage: int, gas: int, request: pytest.FixtureRequest
-) -> None:
+def test_peak_model_state_over_a_step_is_near_the_zero_ideal(stage: int, gas: int) -> None:
     """The high-water mark over each whole optimizer step (every forward, backward, micro-step boundary,
     the optimizer step, and stage 1/2 reduce buckets while their flat buffers live), per rank at 2
     ranks, is within 10% of the ideal. Stage 2 reduces into its gradient shards on every micro-step,
     so accumulating 4 micro-steps holds no full gradients; its reduce buckets are bounded by
-    reduce_bucket_size (P/16 here) and released as each lands."""
+    reduce_bucket_size (P/16 here) and released as each lands. Stage 3 reduce-scatters on every
+    micro-step too (FSDP2's gradient sync stays on), so it holds no unsharded gradient between units."""
     from tests.engine.memory_runs import memory_runs
 
-    if (stage, gas) == (3, 4):
-        request.applymarker(_STAGE3_ACCUMULATES_UNSHARDED)
     for rank, result in enumerate(memory_runs(2)):
         run = result[(stage, gas)]
         ideal = ideal_bytes(stage, run["params"], 2)

@@ -54,27 +54,51 @@ def test_bf16_loss_curve_stays_close_to_fp32(stage: int, world_size: int) -> Non
     assert bf16 != ref  # it really ran in bf16
 
 
+# gloo ops that carry a gradient reduction: stages 1/2 all-reduce their rank-major buckets, stage 3
+# reduce-scatters with a ring of sends (zero/fsdp_collectives.py)
+_REDUCTIONS = {"gloo:all_reduce", "gloo:send", "gloo:recv", "gloo:reduce_scatter"}
+
+
 @pytest.mark.parametrize(("stage", "world_size"), STAGES)
 def test_non_boundary_micro_steps_communicate_as_the_stage_says(stage: int, world_size: int) -> None:
     """Collectives are counted by the torch profiler, which records every gloo process-group op
-    (`gloo:all_reduce`, `gloo:all_gather`, ...) issued during the micro-step's forward, backward and
-    step. Non-boundary micro-steps must issue no reduction at stages 0 and 1 (nothing at all) and at
-    stage 3 only the parameter all-gathers that sharded parameters need to run; stage 2 reduces on
-    every micro-step (DeepSpeed's semantics; `deepfleet_local_grad_accumulation` is the opt-out,
-    tested in test_partitioned.py); the boundary micro-step does
-    reduce (the positive control that the counter sees the ops)."""
+    (`gloo:all_reduce`, `gloo:all_gather`, `gloo:send`, ...) issued during the micro-step's forward,
+    backward and step. Non-boundary micro-steps issue nothing at stages 0 and 1 (full gradients
+    accumulate locally); stages 2 and 3 reduce gradients into their shards on every micro-step
+    (DeepSpeed's semantics, so no full gradient lives through the accumulation window), stage 3 also
+    all-gathering its sharded parameters. The boundary micro-step reduces at every stage (the positive
+    control that the counter sees the ops). The opt-out, `deepfleet_local_grad_accumulation`, is
+    tested below for stage 3 and in test_partitioned.py for stage 2."""
     for rank, result in enumerate(run_stage(stage, world_size)):
         comm = result["fp32"]["comm"]
+        accumulate = set(comm["accumulate"])
         if stage == 2:
-            # DeepSpeed's stage 2: gradients are reduced into the shards on every micro-step (on gloo,
-            # a reduce-scatter is carried out as an all-reduce); nothing is gathered
-            assert comm["accumulate"] and set(comm["accumulate"]) == {"gloo:all_reduce"}, comm["accumulate"]
-        elif stage < 3:
-            assert comm["accumulate"] == [], f"rank {rank}: {comm['accumulate']}"
+            # on gloo a bucket's reduce-scatter is carried out as an all-reduce; nothing is gathered
+            assert accumulate == {"gloo:all_reduce"}, f"rank {rank}: {comm['accumulate']}"
+        elif stage == 3:
+            assert "gloo:all_gather" in accumulate, f"rank {rank}: {comm['accumulate']}"
+            assert accumulate & _REDUCTIONS, f"rank {rank}: no reduction while accumulating: {comm['accumulate']}"
         else:
-            assert comm["accumulate"] and set(comm["accumulate"]) == {"gloo:all_gather"}, comm["accumulate"]
-        reductions = [op for op in comm["boundary"] if op != "gloo:all_gather"]
+            assert comm["accumulate"] == [], f"rank {rank}: {comm['accumulate']}"
+        reductions = set(comm["boundary"]) & _REDUCTIONS
         assert reductions, f"rank {rank}: no reduction seen on the boundary micro-step: {comm['boundary']}"
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_stage3_local_accumulation_communicates_only_on_the_boundary(world_size: int) -> None:
+    """`deepfleet_local_grad_accumulation: true` at stage 3: non-boundary micro-steps only all-gather
+    parameters (FSDP2 keeps unsharded gradients), the boundary reduces, and training still matches the
+    single process (the tolerances of the fp32 test above)."""
+    ranks = run_stage(3, world_size)
+    ref = ranks[0]["ref"]
+    for rank, result in enumerate(ranks):
+        comm = result["fp32-local"]["comm"]
+        assert set(comm["accumulate"]) == {"gloo:all_gather"}, f"rank {rank}: {comm['accumulate']}"
+        assert set(comm["boundary"]) & _REDUCTIONS, f"rank {rank}: {comm['boundary']}"
+    run = ranks[0]["fp32-local"]
+    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5, atol=0)
+    for name, expected in ref["params"].items():
+        np.testing.assert_allclose(run["params"][name], expected, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
 def make_initial() -> dict[str, np.ndarray]:

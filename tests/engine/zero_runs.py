@@ -50,11 +50,14 @@ def micro_batch(batch: dict, *, micro: int, rank: int, world_size: int) -> dict:
     return {k: v[start:start + MICRO] for k, v in batch.items()}
 
 
-def config(stage: int, *, bf16: bool = False) -> dict:
+def config(stage: int, *, bf16: bool = False, local_accumulation: bool = False) -> dict:
+    zero: dict[str, Any] = {"stage": stage}
+    if local_accumulation:
+        zero["deepfleet_local_grad_accumulation"] = True
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": bf16},
     }
 
@@ -64,13 +67,16 @@ def collectives(prof: Any) -> list[str]:
     return [e.name for e in prof.events() if e.name.startswith("gloo:")]
 
 
-def _train(rank: int, world_size: int, stage: int, *, bf16: bool, observe: bool) -> dict:
+def _train(
+    rank: int, world_size: int, stage: int, *, bf16: bool, observe: bool, local_accumulation: bool = False
+) -> dict:
     import deepfleet.engine as deepspeed
     from deepfleet.engine.memory import strategy_memory
 
     model = make_model()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=config(stage, bf16=bf16), optimizer=adamw)
+                                          config=config(stage, bf16=bf16, local_accumulation=local_accumulation),
+                                          optimizer=adamw)
     out: dict[str, Any] = {"losses": [], "comm": {}}
     for step, batch in enumerate(global_batches(world_size)):
         local = []
@@ -129,6 +135,8 @@ def stage_run(rank: int, world_size: int, stage: int) -> dict:
         "fp32": _train(rank, world_size, stage, bf16=False, observe=True),
         "bf16": _train(rank, world_size, stage, bf16=True, observe=False),
     }
+    if stage == 3:  # the opt-out: unsharded gradients accumulate locally between boundaries
+        result["fp32-local"] = _train(rank, world_size, stage, bf16=False, observe=True, local_accumulation=True)
     if rank == 0:
         result["ref"] = reference(world_size)
     return result

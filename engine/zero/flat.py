@@ -1,0 +1,153 @@
+"""Parameter-major flat storage for ZeRO stages 1 and 2 on gloo (caller: `zero/partitioned.py`).
+
+On gloo, `zero/layout.py` carries reduce-scatters and all-gathers as all-reduces (gloo's all-reduce is
+the fastest of its collectives here). An all-reduce is elementwise, so it does not need the rank-major
+layout those collectives need: it can run on the tensors themselves, in place, if they are contiguous.
+So on gloo the trainable parameters of each process group (and dtype) become views of one flat buffer,
+in registration order (`flatten`), and
+
+- publishing the updated rows (`gather_in_place`) zeroes the rows this rank does not own in every
+  parameter and all-reduces the parameters' own buffer, chunk by chunk: each element is its owner's
+  value plus zeros, so every rank gets the exact updated parameters with no flat copy, no unpack and no
+  transient buffer (the rank-major path packs a segment, zero-fills a full flat buffer and unpacks it);
+- stage 1 (`reduce_grads_in_place`) copies each full gradient into a chunk of a param-major buffer and
+  points `p.grad` at its view (fp32), releasing the old gradient, then all-reduces the chunk in place:
+  the optimizer's rows are views of the reduced `p.grad`, with no landing copy and no copy back.
+
+Chunks hold consecutive parameters of at most the bucket size in elements (a larger parameter alone), so
+message sizes stay bounded as with `reduce_bucket_size` / `allgather_bucket_size`. `torch.distributed`
+has no such in-place flattening for replicated parameters (DDP flattens gradients only, FSDP2 shards
+parameters), hence this module. Collectives go through `engine/comm.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deepfleet.engine import comm
+from deepfleet.engine.zero.layout import Slot, as_rows
+
+
+@dataclass(frozen=True)
+class Member:
+    """One parameter inside a run: its index in the strategy's parameter list and its extent."""
+
+    index: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ParamRun:
+    """The parameters of one process group and dtype, as views of `buffer` (registration order)."""
+
+    group: dist.ProcessGroup | None
+    buffer: torch.Tensor
+    members: tuple[Member, ...]
+
+
+def flatten(params: Sequence[torch.Tensor], by_group: Sequence[tuple[dist.ProcessGroup | None, list[int]]]) -> list[ParamRun]:
+    """Move `params[i]` (for the indices of each group) into one contiguous buffer per (group, dtype) and
+    make each parameter a view of it (`p.data` is swapped: Parameter identity, and so hooks and the
+    user's references to the parameter, are kept). Values are copied exactly."""
+    runs = []
+    with torch.no_grad():
+        for group, indices in by_group:
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for i in indices:
+                by_dtype.setdefault(params[i].dtype, []).append(i)
+            for dtype, members in by_dtype.items():
+                total = sum(params[i].numel() for i in members)
+                buffer = torch.empty(total, dtype=dtype, device=params[members[0]].device)
+                placed, offset = [], 0
+                for i in members:
+                    p = params[i]
+                    view = buffer.narrow(0, offset, p.numel()).view_as(p)
+                    view.copy_(p.detach())
+                    p.data = view
+                    placed.append(Member(i, offset, p.numel()))
+                    offset += p.numel()
+                runs.append(ParamRun(group, buffer, tuple(placed)))
+    return runs
+
+
+def chunks(members: Sequence[Member], bound: int) -> Iterator[tuple[Member, ...]]:
+    """Consecutive members of at most `bound` elements in all (a larger member alone)."""
+    current: list[Member] = []
+    size = 0
+    for m in members:
+        if current and size + m.numel > bound:
+            yield tuple(current)
+            current, size = [], 0
+        current.append(m)
+        size += m.numel
+    if current:
+        yield tuple(current)
+
+
+def gather_in_place(run: ParamRun, params: Sequence[torch.Tensor], slots: Sequence[Slot], *, bound: int) -> None:
+    """Rebuild every full parameter of `run` on every rank from each rank's own rows (see the module
+    docstring); blocking."""
+    with torch.no_grad():
+        for chunk in chunks(run.members, bound):
+            for m in chunk:
+                slot = slots[m.index]
+                rows = as_rows(params[m.index].detach(), slot)
+                rows[: slot.local_start].zero_()
+                rows[slot.local_start + slot.local_rows :].zero_()
+            lo = chunk[0].offset
+            hi = chunk[-1].offset + chunk[-1].numel
+            comm.all_reduce(run.buffer[lo:hi], op=comm.ReduceOp.SUM, group=run.group)
+
+
+@dataclass
+class GradChunk:
+    """A chunk of gradients being all-reduced: the buffer and each member's full-gradient view in it."""
+
+    work: dist.Work | None
+    flat: torch.Tensor
+    views: list[tuple[int, torch.Tensor]]
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+def reduce_grads_in_place(
+    run: ParamRun,
+    params: Sequence[torch.Tensor],
+    *,
+    bound: int,
+    dtype: torch.dtype,
+    async_op: bool,
+    staged: Callable[[torch.Tensor], None] = lambda flat: None,
+) -> Iterator[GradChunk]:
+    """SUM-all-reduce the full gradients of `run`'s parameters over its group, chunk by chunk, in `dtype`.
+    A parameter whose gradient has that dtype ends up with `p.grad` a view of the reduced chunk (its old
+    gradient released as it is copied in); a parameter without a gradient is reduced as zeros (and gets
+    one). Each chunk is yielded once issued (`staged(flat)` is called first, while the chunk is at its
+    largest); with `async_op` the caller waits on it."""
+    with torch.no_grad():
+        for chunk in chunks(run.members, bound):
+            numel = sum(m.numel for m in chunk)
+            flat = torch.empty(numel, dtype=dtype, device=run.buffer.device)
+            views, offset = [], 0
+            for m in chunk:
+                p = params[m.index]
+                view = flat.narrow(0, offset, m.numel).view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                if p.dtype == dtype:
+                    p.grad = view
+                views.append((m.index, view))
+                offset += m.numel
+            staged(flat)
+            work = comm.all_reduce(flat, op=comm.ReduceOp.SUM, group=run.group, async_op=async_op)
+            yield GradChunk(work if async_op else None, flat, views)
