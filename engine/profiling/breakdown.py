@@ -4,8 +4,9 @@ A step sink composed by `engine/build.py` when `wall_clock_breakdown` is true (t
 its per-phase milliseconds). Phases come from each `StepMetrics` (forward, backward, step, checkpoint:
 seconds inside the engine's calls); communication is the seconds the comm counters add over the step (it
 happens inside backward and step, so it is shown as its own row and as "of which" of those two);
-data loading is the rest of the step's wall clock, the time between the engine's calls (the data
-loader's next batch and the user's loop). Logged on rank 0 every `steps_per_print` steps and at the end.
+data loading is the engine's own "data" timing (fetching batches from the loader `initialize` built),
+and "other" the rest of the time between the engine's calls (the user's loop). Where the engine does
+not own the loader, all the time between its calls counts as data loading. Logged on rank 0 every `steps_per_print` steps and at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from deepfleet.engine.metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "step", "checkpoint", "communication", "data_loading")
+PHASES = ("forward", "backward", "step", "checkpoint", "communication", "data_loading", "other")
 INSIDE = ("forward", "backward", "step", "checkpoint")  # phases timed inside the engine's calls
 
 
@@ -41,7 +42,10 @@ class WallClockBreakdown:
         for k in INSIDE:
             self.totals[k] += m.timings.get(k, 0.0)
         self.totals["communication"] += now - self._comm
-        self.totals["data_loading"] += max(0.0, m.elapsed_s - inside)
+        between = max(0.0, m.elapsed_s - inside)  # time between the engine's calls
+        fetched = min(m.timings.get("data", between), between)
+        self.totals["data_loading"] += fetched
+        self.totals["other"] += between - fetched
         self.wall += m.elapsed_s
         self._comm = now
         if self.every and m.step % self.every == 0:

@@ -106,7 +106,7 @@ def test_a_training_run_logs_what_it_issued_every_steps_per_print_and_at_the_end
         else:
             assert summaries == []  # rank 0 only without debug
         shares = result["shares"]
-        assert sum(shares[k] for k in ("forward", "backward", "step", "checkpoint", "data_loading")) == pytest.approx(1.0)
+        assert sum(shares[k] for k in ("forward", "backward", "step", "checkpoint", "data_loading", "other")) == pytest.approx(1.0)
         assert 0 < shares["communication"] < 1
 
 
@@ -118,8 +118,17 @@ def test_breakdown_shares_from_step_timings() -> None:
     b(m)
     b(m)
     assert b.shares() == pytest.approx({"forward": 0.25, "backward": 0.5, "step": 0.15, "checkpoint": 0.0,
-                                        "communication": 0.0, "data_loading": 0.1})
+                                        "communication": 0.0, "data_loading": 0.1, "other": 0.0})
     assert "data_loading" in b.table()
+
+
+def test_breakdown_splits_the_engines_own_batch_fetches_from_the_rest_of_the_loop() -> None:
+    b = WallClockBreakdown(steps_per_print=None, rank=0)
+    b(StepMetrics(step=1, rank=0, loss=1.0, lr=0.1, lrs=(0.1,), grad_norm=None, loss_scale=1.0, skipped=False,
+                  skipped_steps=0, samples=2, global_samples=2, tokens=None, elapsed_s=2.0,
+                  timings={"data": 0.15, "forward": 0.5, "backward": 1.0, "step": 0.3}))
+    assert b.shares() == pytest.approx({"forward": 0.25, "backward": 0.5, "step": 0.15, "checkpoint": 0.0,
+                                        "communication": 0.0, "data_loading": 0.075, "other": 0.025})
 
 
 def test_checkpoint_seconds_reach_the_next_step_and_the_breakdown(tmp_path) -> None:
