@@ -79,6 +79,7 @@ def test_submit_train_kill_a_worker_restart_from_checkpoint_and_cancel(db_url: s
     assert starts(logs, f"df-ok-{ok[:8]}-a0", 0, START) == 1
 
 
+@pytest.mark.slow
 def test_controller_killed_mid_reconcile_loses_nothing_and_starts_nothing_twice(db_url: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
     first = Controller(db_url, data, worker_command=FAKE_WORKER, replica="first")
@@ -99,6 +100,7 @@ def test_controller_killed_mid_reconcile_loses_nothing_and_starts_nothing_twice(
         second.stop()
 
 
+@pytest.mark.slow
 def test_two_controllers_on_one_database_run_each_job_exactly_once(db_url: str, tmp_path: Path) -> None:
     data = tmp_path / "data"
     a = Controller(db_url, data, worker_command=FAKE_WORKER, replica="a")

@@ -40,6 +40,7 @@ def browser(tmp_path: Path):
     driver.quit()
 
 
+@pytest.mark.slow
 def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec

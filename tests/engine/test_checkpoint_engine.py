@@ -94,6 +94,7 @@ def _refusal_other_model(root: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_retention_and_refusals() -> None:
     import tempfile
 

@@ -33,6 +33,9 @@ def _save_and_full_state(rank: int, world: int, root: str) -> dict[str, torch.Te
     return {k: v.clone() for k, v in full.items()}
 
 
+pytestmark = pytest.mark.slow  # a 2-rank training run to export from
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("export")
@@ -55,6 +58,7 @@ def test_export_fp32_equals_full_state_dict(saved, tmp_path: Path) -> None:
     assert report.peak_batch_bytes < sum(t.nbytes for t in full.values()) / 4
 
 
+@pytest.mark.slow
 def test_export_bf16(saved, tmp_path: Path) -> None:
     root, full = saved
     export_safetensors(root / "global_step1", tmp_path / "m.safetensors", dtype="bf16")

@@ -130,7 +130,7 @@ def test_save_writes_complete_step_with_manifest(saved) -> None:
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt", "engine_state.pt"} <= on_disk
 
 
-@pytest.mark.parametrize("world,wrap", [(1, "fsdp"), pytest.param(3, "fsdp", marks=pytest.mark.slow), (2, "ddp")])
+@pytest.mark.parametrize("world,wrap", [pytest.param(1, "fsdp", marks=pytest.mark.slow), pytest.param(3, "fsdp", marks=pytest.mark.slow), (2, "ddp")])
 def test_load_reshards_and_training_continues_identically(saved, world: int, wrap: str) -> None:
     root, after = saved
     resumed = spawn(_load_rank, world, str(root), wrap)[0]
@@ -209,6 +209,7 @@ def _wrong_shape_rank(rank: int, world: int, root: str) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_different_model_shape_is_refused(saved) -> None:
     message = spawn(_wrong_shape_rank, 1, str(saved[0]))[0]
     assert ".metadata: checkpoint does not fit the current model" in message

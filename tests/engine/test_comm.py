@@ -89,7 +89,8 @@ def _every_op(rank: int, world: int) -> dict:
     return {"out": out, "ours": comm.counters(), "debug": debug}
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
 def test_every_op_gives_torch_results_and_is_counted(world):
     results = spawn(_every_op, world)
     n = 6

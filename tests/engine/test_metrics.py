@@ -78,6 +78,7 @@ def _run(rank: int, world_size: int) -> dict:
     return {"seen": seen, "expected": expected}
 
 
+@pytest.mark.slow
 def test_step_metrics_reach_a_sink_with_exact_values() -> None:
     for rank, result in enumerate(spawn(_run, 2, timeout=180)):
         seen, expected = result["seen"], result["expected"]

@@ -134,7 +134,8 @@ def _train_and_save(rank: int, world: int, save_dir: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
 def test_dp_group_reaches_batch_loader_strategy_and_manifest(world, tmp_path):
     results = spawn(_train_and_save, world, str(tmp_path))
     for rank, r in enumerate(results):

@@ -11,6 +11,8 @@ import torch
 from tests.engine.partitioned_cases import step_err
 from tests.engine.partitioned_runs import scenario_runs
 
+pytestmark = pytest.mark.slow  # one 2-rank and one 3-rank spawn, ~1 minute
+
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, list[dict]]:

@@ -14,9 +14,10 @@ import pytest
 
 from tests.engine.zero_runs import STEPS, run_stage
 
-# (stage, world size): every stage on 2 ranks, and stage 3 on 3 ranks (uneven, padded shards; three
-# processes on a 2-core box take ~50 s, hence slow)
-STAGES = [(0, 2), (1, 2), (2, 2), (3, 2), pytest.param(3, 3, marks=pytest.mark.slow)]
+# (stage, world size): every stage on 2 ranks, and stage 3 on 3 ranks (uneven, padded shards). All slow:
+# one spawn per stage; the fast run covers every stage against stage 0 in test_zero_optimizers.py, and
+# stages 1/2 against one process in test_partitioned.py.
+STAGES = [pytest.param(stage, ws, marks=pytest.mark.slow) for stage, ws in [(0, 2), (1, 2), (2, 2), (3, 2), (3, 3)]]
 
 
 @pytest.mark.parametrize(("stage", "world_size"), STAGES)
@@ -84,7 +85,8 @@ def test_non_boundary_micro_steps_communicate_as_the_stage_says(stage: int, worl
         assert reductions, f"rank {rank}: no reduction seen on the boundary micro-step: {comm['boundary']}"
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_stage3_local_accumulation_communicates_only_on_the_boundary(world_size: int) -> None:
     """`deepfleet_local_grad_accumulation: true` at stage 3: non-boundary micro-steps only all-gather
     parameters (FSDP2 keeps unsharded gradients), the boundary reduces, and training still matches the

@@ -127,8 +127,8 @@ def test_sigkilled_rank_is_restarted_and_resumes_bit_exact(tmp_path: Path) -> No
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("how", "expected"), [("raise", 65), pytest.param("oom", 77, marks=pytest.mark.slow),
-                                             pytest.param("exit3", 65, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("how", "expected"), [("raise", 65), ("oom", 77), ("exit3", 65)])
+@pytest.mark.slow
 def test_training_failures_map_to_exit_codes(tmp_path: Path, how: str, expected: int) -> None:
     code, log = _run_worker(_spec(tmp_path, ["--steps", "3", "--fail-rank", "0", "--fail-step", "2",
                                              "--fail-how", how]))

@@ -55,5 +55,6 @@ def _agree(rank: int, world_size: int) -> list[bool]:
     return decisions
 
 
+@pytest.mark.slow
 def test_ranks_agree_when_any_rank_was_notified() -> None:
     assert spawn(_agree, 2, timeout=120) == [[False, True, True], [False, True, True]]
