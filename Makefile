@@ -39,10 +39,10 @@ demo: install
 	$(PY) -m deepfleet.controller.demo $(if $(DEMO_EXIT),--exit)
 
 test: install
-	bash .ci/test.sh $(PYTEST_ARGS)
+	bash .ci/test.sh -n auto --dist loadfile $(PYTEST_ARGS)
 
-# The fast run spreads test files over one process per core (pytest-xdist; a file's tests stay together,
-# so module fixtures are built once). `make test` stays in one process.
+# Both runs spread test files over one process per core (pytest-xdist; a file's tests stay together,
+# so module fixtures are built once). PYTEST_ARGS="-n 0" runs in one process.
 test-fast: install
 	bash .ci/test.sh -m "not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
