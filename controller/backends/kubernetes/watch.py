@@ -59,7 +59,9 @@ class PodWatcher:
             if resp is not None and hasattr(resp, "shutdown"):
                 try:
                     resp.shutdown()
-                except OSError:  # the stream's socket is already closed or not yet connected: nothing to unblock
+                except (OSError, ValueError):
+                    # The stream's socket is already closed, not yet connected, or already released to the
+                    # pool (urllib3 raises ValueError then): nothing is blocked on it.
                     pass
         if self._thread is not None:
             self._thread.join(timeout=1)  # a daemon: a stream still open ends at its timeout
