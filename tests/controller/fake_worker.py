@@ -50,6 +50,7 @@ def main() -> int:
     for step in range(start + 1, args.steps + 1):
         time.sleep(args.step_s)
         if fails and step >= args.fail_at_step:
+            _await_checkpoint(ckpt)
             print(f"node {node} failing with {args.fail_code}", flush=True)
             return args.fail_code
         print(f"step {step} loss {1.0 / step:.4f}", flush=True)
@@ -71,10 +72,19 @@ def main() -> int:
             except OSError as e:  # heartbeats are best effort, like the real worker's
                 print(f"heartbeat failed: {e}", flush=True)
     if fails:
+        _await_checkpoint(ckpt)
         print(f"node {node} failing with {args.fail_code}", flush=True)
         return args.fail_code
     print("done", flush=True)
     return args.exit
+
+
+def _await_checkpoint(ckpt: Path | None, *, timeout_s: float = 30.0) -> None:
+    """A failing node fails only once node 0 has committed a checkpoint (when the job checkpoints), so
+    "the next attempt resumes from it" holds however the nodes' starts are skewed on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while ckpt is not None and not (ckpt / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
