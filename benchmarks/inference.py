@@ -64,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
     from deepfleet.engine import init_inference
-    from deepfleet.engine.inference.quantize import weight_bytes
+    from deepfleet.engine.compression.export import model_bytes
 
     torch.manual_seed(0)
     model = build(args.arch, args.hidden, args.layers, args.vocab).eval()
@@ -124,10 +124,10 @@ def main() -> None:
             print(json.dumps({**common, "batch": batch, "runner": name, "tokens_per_cpu_s": round(tps, 1),
                               "speedup_vs_hf": round(tps / base_tps, 2), "ttft_cpu_ms": round(ttft * 1e3, 1),
                               "ttft_vs_hf": round(ttft / base_ttft, 2)}), flush=True)
-    fp32_bytes = weight_bytes(engines["fp32"].module)
+    fp32_bytes = model_bytes(engines["fp32"].module)
     for name, engine in engines.items():
-        b = weight_bytes(engine.module)
-        layers_b = weight_bytes(engine.module.layers)
+        b = model_bytes(engine.module)
+        layers_b = model_bytes(engine.module.layers)
         print(json.dumps({**common, "runner": f"memory_{name}", "weight_bytes": b, "layer_weight_bytes": layers_b,
                           "vs_fp32": round(b / fp32_bytes, 3), "kv_cache_bytes": engine.cache.nbytes()}), flush=True)
 

@@ -112,11 +112,7 @@ def db_upgrade(
 )
 def checkpoint(ctx: typer.Context) -> None:
     """Inspect checkpoints or export weights to safetensors (`deepfleet checkpoint --help` for more)."""
-    import subprocess
-    import sys
-
-    # The CLI stays torch-free (import contract); the checkpoint tools run as their own torch process.
-    raise typer.Exit(subprocess.call([sys.executable, "-m", "deepfleet.engine.checkpoint.cli", *ctx.args]))
+    _run_torch_module("deepfleet.engine.checkpoint.cli", ctx.args)
 
 
 @app.command(
@@ -126,11 +122,16 @@ def checkpoint(ctx: typer.Context) -> None:
 )
 def serve(ctx: typer.Context) -> None:
     """Serve a checkpoint at an OpenAI-compatible /v1/completions (`deepfleet serve --help` for more)."""
+    _run_torch_module("deepfleet.engine.inference.serve_cli", ctx.args)
+
+
+def _run_torch_module(module: str, args: list[str]) -> None:
+    """Run an engine command line as its own process and exit with its status: the CLI stays torch-free
+    (import contract)."""
     import subprocess
     import sys
 
-    # The CLI stays torch-free (import contract); the inference server runs as its own torch process.
-    raise typer.Exit(subprocess.call([sys.executable, "-m", "deepfleet.engine.inference.serve_cli", *ctx.args]))
+    raise typer.Exit(subprocess.call([sys.executable, "-m", module, *args]))
 
 
 register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)

@@ -105,14 +105,3 @@ def quantize_decoder(decoder: Decoder, *, bits: int, group_size: int = 64) -> De
     if type(head) is nn.Linear and head.weight is not getattr(decoder.embed, "weight", None):
         decoder.head = quantize_linear(head, bits=bits, group_size=group_size)
     return decoder
-
-
-def weight_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage counted once."""
-    seen, total = set(), 0
-    for t in [*module.parameters(), *module.buffers()]:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from deepfleet.engine import init_inference
-from deepfleet.engine.inference.quantize import Int4Linear, Int8Linear, quantize_linear, weight_bytes
+from deepfleet.engine.compression.export import model_bytes
+from deepfleet.engine.inference.quantize import Int4Linear, Int8Linear, quantize_linear
 from tests.engine.inference.models import HF_ARCHS, example_gpt, held_out, hf_model, prompts, trained
 
 pytest.importorskip("transformers")
@@ -89,7 +90,7 @@ def test_int4_and_int8_memory_and_generation(trained_llama):
     assert isinstance(q4.module.layers[0].q, Int4Linear)
     ref, got = fp32(ids).logits, q4(ids).logits
     assert float((got - ref).abs().max()) <= INT4_TOL * float(ref.max() - ref.min())
-    layer_bytes = [weight_bytes(e.module.layers) for e in (fp32, q8, q4)]
+    layer_bytes = [model_bytes(e.module.layers) for e in (fp32, q8, q4)]
     # int4 keeps an fp32 scale and minimum per 32 weights (2 bits each): ~6 bits a weight here
     assert layer_bytes[1] < 0.3 * layer_bytes[0] and layer_bytes[2] < 0.8 * layer_bytes[1]
     assert q4.generate(ids, max_new_tokens=4).shape == (4, 28)
