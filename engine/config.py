@@ -34,7 +34,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
@@ -58,6 +58,7 @@ from deepfleet.engine.config_optim import (
     SchedulerConfig,
 )
 from deepfleet.engine.config_source import read_source
+from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
@@ -145,6 +146,12 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    sparse_attention: SparseAttentionConfig | None = None
+    """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
+    sequence_parallel_size: Int = Field(1, gt=0)
+    """Ulysses sequence parallelism: ranks that split each sequence (the mesh's `sp` axis, engine/attention/)."""
+    seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
+    """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:

@@ -77,7 +77,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
     "activation_checkpointing": Unsupported(_all_off(_ACTIVATION_CHECKPOINTING_OFF), "drop the section"),
     "pipeline": _SECTION,
-    "sparse_attention": _SECTION,
     "data_efficiency": _OFF,
     "curriculum_learning": _OFF,
     "amp": _OFF,
@@ -98,8 +97,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "timers": _SECTION,
     "torch_autocast": _OFF,
     "communication_data_type": Unsupported(_one_of(None, "fp32")),  # every strategy reduces in fp32
-    "seq_parallel_communication_data_type": Unsupported(_equals("fp32")),
-    "sequence_parallel_size": Unsupported(_equals(1)),
     "sparse_gradients": Unsupported(_equals(False)),
     "disable_allgather": Unsupported(_equals(False)),
     "memory_breakdown": Unsupported(_equals(False)),
