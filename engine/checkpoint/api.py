@@ -128,8 +128,13 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    load_module_strict: bool = True,
 ) -> tuple[str | None, dict | None]:
     """Restore the engine from `<load_dir>/<tag>` (default: the newest complete checkpoint).
+
+    `load_module_strict=False` (DeepSpeed's meaning): model tensors the checkpoint lacks keep their
+    current values and checkpoint tensors the model lacks are ignored; shapes of the shared ones must
+    still match.
 
     Returns `(step_dir, client_state)`, or `(None, None)` when there is nothing to load. A given `tag`
     must name a complete checkpoint. Raises CheckpointError for an interrupted, corrupted, too-new or
@@ -153,7 +158,11 @@ def load_checkpoint(
     if with_optim:
         _complete_optimizer_template(state, reader.saved_shapes())
     wanted = state if with_optim else {"model": state["model"]}
-    reader.check_shapes(wanted)
+    if not load_module_strict:
+        saved = reader.saved_shapes()
+        present = {k: v for k, v in state["model"].items() if f"model.{k}" in saved}
+        wanted = {**wanted, "model": present}  # the same tensors: DCP fills the shared ones in place
+    reader.check_shapes(wanted, strict_prefixes=("model.",) if load_module_strict else ())
     shared = reader.shared_state()
     if not load_module_only:
         # First: these may refuse the checkpoint (a data loader seeded differently) before tensors change.
