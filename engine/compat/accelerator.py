@@ -209,11 +209,16 @@ class DeepFleetAccelerator:
 
 
 class CPUAccelerator(DeepFleetAccelerator):
-    """One CPU "device" per process, as DeepSpeed's CPU accelerator counts; memory figures are the
-    process's resident set (allocated) and its peak, and the host's total and available memory."""
+    """One CPU "device" per process, as DeepSpeed's CPU accelerator counts, always named "cpu" (an index
+    is ignored: `tensor.to(get_accelerator().device_name(local_rank))` stays on the host); memory
+    figures are the process's resident set (allocated) and its peak, and the host's total and available
+    memory."""
 
     _name = "cpu"
     _communication_backend_name = "gloo"
+
+    def device_name(self, device_index: int | None = None) -> str:
+        return "cpu"
 
     def device_count(self) -> int:
         return int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
