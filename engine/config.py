@@ -50,6 +50,7 @@ from deepfleet.engine.config_monitor import (
     TensorBoardConfig,
     WandbConfig,
 )
+from deepfleet.engine.config_onebit import one_bit_stage_problem
 from deepfleet.engine.config_optim import (
     OPTIMIZER_TYPES,
     OPTIMIZERS_NOT_SUPPORTED,
@@ -154,6 +155,7 @@ class DeepFleetConfig(ConfigSection):
             label=context.get("label", "world size"),
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
+        problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
         if problems:
             raise ValueError("\n".join(problems))
         return self

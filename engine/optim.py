@@ -10,6 +10,8 @@ the CPU); `torch_adam: true` (DeepSpeed's switch away from its fused kernel), `a
 Adam (`adam_w_mode: false`) build torch's own classes on their multi-tensor `foreach` path, as do SGD and
 Adagrad. The update is the same either way (tested against `torch.optim.AdamW`).
 
+`OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` live in `engine/onebit/` (they communicate).
+
 Lamb and Lion are not in torch, so they are written here as `torch.optim.Optimizer` subclasses:
 per-group hyper-parameters, state in `self.state` (so `state_dict()`/`load_state_dict()` and
 `torch.distributed.checkpoint` work as for torch's optimizers), and a multi-tensor step on
@@ -28,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from deepfleet.engine import comm
+from deepfleet.engine.config_onebit import OneBitAdamConfig, OneBitLambConfig, ZeroOneAdamConfig
 from deepfleet.engine.config_optim import (
     AdagradConfig,
     AdamConfig,
@@ -68,7 +71,28 @@ def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> tor
                     max_coeff=p.max_coeff, min_coeff=p.min_coeff)
     if isinstance(config, LionConfig):
         return Lion(groups, lr=p.lr, betas=p.betas, weight_decay=p.weight_decay)
+    if isinstance(config, (OneBitAdamConfig, ZeroOneAdamConfig, OneBitLambConfig)):
+        return _one_bit(groups, config)
     raise TypeError(f"build_optimizer: unsupported optimizer config {type(config).__name__}")
+
+
+def _one_bit(groups: list[Any], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """The 1-bit optimizers (engine/onebit/), imported only when configured; `cuda_aware` and
+    `comm_backend_name` choose DeepSpeed's transports and have no counterpart here."""
+    from deepfleet.engine.onebit.adam import OneBitAdam, ZeroOneAdam
+    from deepfleet.engine.onebit.lamb import OneBitLamb
+
+    p = config.params
+    common = dict(lr=p.lr, bias_correction=p.bias_correction, betas=p.betas, eps=p.eps,
+                  eps_inside_sqrt=p.eps_inside_sqrt, weight_decay=p.weight_decay)
+    if isinstance(config, OneBitAdamConfig):
+        return OneBitAdam(groups, freeze_step=p.freeze_step, **common)
+    if isinstance(config, ZeroOneAdamConfig):
+        return ZeroOneAdam(groups, var_freeze_step=p.var_freeze_step, var_update_scaler=p.var_update_scaler,
+                           local_step_scaler=p.local_step_scaler, local_step_clipper=p.local_step_clipper, **common)
+    return OneBitLamb(groups, freeze_step=p.freeze_step, max_coeff=p.max_coeff, min_coeff=p.min_coeff,
+                      coeff_beta=p.coeff_beta, factor_max=p.factor_max, factor_min=p.factor_min,
+                      factor_threshold=p.factor_threshold, **common)
 
 
 def _params_with_grad(group: dict) -> list[torch.Tensor]:
