@@ -44,7 +44,8 @@ class AdamParams(ConfigSection):
     """Weight decay. Unset resolves to DeepSpeed's effective default: 0.01 for torch's AdamW
     (`torch_adam` with decoupled decay), else 0.0 (FusedAdam)."""
     bias_correction: Bool = True
-    """Bias-correct the moment estimates (only `true` is supported)."""
+    """Bias-correct the moment estimates (`false`: DeepSpeed's FusedAdam without correction, stepped by
+    `deepfleet.engine.optim.Adam`)."""
     amsgrad: Bool = False
     """Use the AMSGrad variant (keeps the maximum of past squared-gradient averages)."""
     adam_w_mode: Bool = True
@@ -166,8 +167,8 @@ class AdamWConfig(ConfigSection):
 def _resolve_adam_weight_decay(params: AdamParams, *, decoupled: bool) -> None:
     if params.weight_decay is None:
         params.weight_decay = 0.01 if (params.torch_adam and decoupled) else 0.0
-    if not params.bias_correction:
-        raise ValueError("params.bias_correction: false is not supported yet; drop it (bias correction stays on)")
+    if not params.bias_correction and params.amsgrad:
+        raise ValueError("params.bias_correction: false with amsgrad: true is not supported; drop one of them")
 
 
 class SGDConfig(ConfigSection):

@@ -131,8 +131,13 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    load_module_strict: bool = True,
 ) -> tuple[str | None, dict | None]:
     """Restore the engine from `<load_dir>/<tag>` (default: the newest complete checkpoint).
+
+    `load_module_strict=False` (DeepSpeed's meaning): model tensors the checkpoint lacks keep their
+    current values and checkpoint tensors the model lacks are ignored; shapes of the shared ones must
+    still match.
 
     Returns `(step_dir, client_state)`, or `(None, None)` when there is nothing to load. A given `tag`
     must name a complete checkpoint. Raises CheckpointError for an interrupted, corrupted, too-new or
@@ -153,10 +158,19 @@ def load_checkpoint(
 
     with_optim = load_optimizer_states and not load_module_only
     state = engine.sharding.state_dict()
+    if not load_module_strict and with_optim:
+        saved_model = {k for k in reader.saved_shapes() if k.startswith("model.")}
+        if saved_model != {f"model.{k}" for k in _flat_keys(state["model"])}:
+            # the optimizer's param groups list the saved model's parameters: they cannot be mapped
+            log.warning("load_module_strict=False: the model's parameters differ from the checkpoint's, "
+                        "so the optimizer state is not loaded (fresh optimizer state)")
+            with_optim = False
     if with_optim:
         _complete_optimizer_template(state, reader.saved_shapes())
     wanted = state if with_optim else {"model": state["model"]}
-    reader.check_shapes(wanted)
+    if not load_module_strict:  # the same tensors: DCP fills the shared ones in place, the rest stay
+        wanted = _only_saved(wanted, reader.saved_shapes())
+    reader.check_shapes(wanted, strict_prefixes=("model.",) if load_module_strict else ())
     shared = reader.shared_state()
     if not load_module_only:
         # First: these may refuse the checkpoint (a data loader seeded differently) before tensors change.
@@ -180,6 +194,25 @@ def load_checkpoint(
         saved.get("dp_replicate", 1) * saved["dp_shard"] if "dp_shard" in saved else "unrecorded",
     )
     return str(step_dir), shared.get("client_state", {})
+
+
+def _flat_keys(state: dict, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for key, value in state.items():
+        keys += _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
+
+
+def _only_saved(template: dict, saved: dict, prefix: str = "") -> dict:
+    """`template` without the tensor leaves the checkpoint does not hold (DCP's flat key names)."""
+    out: dict = {}
+    for key, value in template.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out[key] = _only_saved(value, saved, prefix=f"{name}.")
+        elif not isinstance(value, torch.Tensor) or name in saved:
+            out[key] = value
+    return out
 
 
 def _restore_statefuls(engine: Any, shared: dict, *, step_dir: Path, skip: set[str]) -> None:
