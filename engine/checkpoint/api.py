@@ -13,7 +13,10 @@ What this reads from the engine (duck-typed, so the engine never needs a checkpo
   optional, saved through its `state_dict()` and restored through `load_state_dict()`. The data
   loader's state must be world-size independent (global samples consumed, epoch, seed) so a resume at
   another world size with the same global batch continues with the same batches;
-- `engine.config`: `zero_optimization.stage` and a hash of the config, recorded in the manifest.
+- `engine.config`: `zero_optimization.stage` and a hash of the config, recorded in the manifest;
+- `engine.optimizer.comm_state_dict()` / `load_comm_state_dict()` when it has them (the 1-bit optimizers'
+  error feedback): saved in each rank's own file, restored at the same world size, reset (and logged)
+  at another.
 
 Loading reshards to the current world size and ZeRO stage with no offline step (DCP maps between
 layouts); a checkpoint that does not fit raises CheckpointError before any tensor is read.
@@ -94,7 +97,7 @@ def save_checkpoint(
     writer.save(
         Path(save_dir) / tag,
         tensors=engine.sharding.state_dict(),
-        rank_state={"rank": _rank(), "world_size": world, "rng": capture_rng()},
+        rank_state={"rank": _rank(), "world_size": world, "rng": capture_rng(), **_comm_state(engine)},
         shared_state=shared,
         manifest_fields={
             "global_steps": int(engine.global_steps),
@@ -183,6 +186,7 @@ def load_checkpoint(
         if hasattr(engine, "global_samples"):
             engine.global_samples = int(shared.get("global_samples", 0))
         _restore_rank_rng(reader, rank=_rank())
+        _restore_comm_state(engine, reader)
     saved = reader.manifest.degrees or {}
     log.info(
         "loaded checkpoint %s (saved at world size %d, data-parallel size %s)",
@@ -247,6 +251,29 @@ def _complete_optimizer_template(state: dict, saved: dict[str, tuple[tuple[int, 
         if fqn in fqns:
             filled.setdefault(fqn, {})[name] = torch.zeros(shape, dtype=dtype)
     optim["state"] = filled
+
+
+def _comm_owners(engine: Any) -> dict[str, Any]:
+    """What holds rank-local communication state (error feedback): the 1-bit optimizers."""
+    owners = {"optimizer": getattr(engine, "optimizer", None)}
+    return {name: obj for name, obj in owners.items() if hasattr(obj, "comm_state_dict")}
+
+
+def _comm_state(engine: Any) -> dict:
+    """This rank's error-feedback buffers, saved in its own rank file (they differ per rank and their
+    layout depends on the world size, so they are not part of the resharded tensors)."""
+    owners = _comm_owners(engine)
+    return {"comm_state": {name: obj.comm_state_dict() for name, obj in owners.items()}} if owners else {}
+
+
+def _restore_comm_state(engine: Any, reader: StepReader) -> None:
+    """Restore this rank's error feedback when the world size is the saving one; otherwise each owner
+    resets its errors and logs that it did."""
+    mine = reader.rank_state(_rank())
+    same_world = reader.manifest.world_size == comm.get_world_size()
+    saved = (mine or {}).get("comm_state", {}) if same_world else {}
+    for name, obj in _comm_owners(engine).items():
+        obj.load_comm_state_dict(saved.get(name))
 
 
 def _restore_rank_rng(reader: StepReader, *, rank: int) -> None:

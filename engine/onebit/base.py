@@ -104,8 +104,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
             log.warning("%s: error feedback reset (saved at world size %s, now %d)",
                         type(self).__name__, saved, world)
             return False
+        device = self.param_groups[0]["params"][0].device
         for index, saved_state in state["feedback"].items():
-            feedback = ErrorFeedback(saved_state["numel"], world_size=world)
+            feedback = ErrorFeedback(saved_state["numel"], world_size=world, device=device)
             feedback.load_state_dict(saved_state)
             self._feedback[int(index)] = feedback
         return True

@@ -71,6 +71,7 @@ class OneBitLamb(OneBitOptimizer):
                     state["exp_avg_sq_fresh"] = torch.zeros_like(p)
                     state["lamb_coeff_freeze"] = scalar(0)
                     state["last_factor"] = scalar(1)
+                    state["scaling_coeff"] = scalar(0)  # 0: not set yet (set when compression starts)
                 state["step"] += 1
         step = self._next_step() - 1
         if self._reduce_at(step):
@@ -110,12 +111,12 @@ class OneBitLamb(OneBitOptimizer):
             p.add_(update, alpha=-group["lr"] * coeff)
 
     def _set_scaling_coeffs(self, params: list[torch.Tensor]) -> None:
-        if not params or "scaling_coeff" in self.state[params[0]]:
+        if not params or float(self.state[params[0]]["scaling_coeff"]) != 0:
             return
         scales = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(p.numel()) for p in params]
         united = sum(scales) / len(scales)
         for p, scale in zip(params, scales, strict=True):
-            self.state[p]["scaling_coeff"] = scalar(united / scale if scale > 0 else 1.0)
+            self.state[p]["scaling_coeff"].fill_(united / scale if scale > 0 else 1.0)
 
     def _compressed(self, index: int, group: dict, params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
