@@ -96,6 +96,15 @@ NO_OPS: dict[str, NoOp] = {
     "compression_training.sparse_pruning.shared_parameters.dense_ratio": NoOp(
         "Read by DeepSpeed only for snip_momentum pruning; l1 and topk use each group's dense_ratio."
     ),
+    # optimizer section, the 1-bit optimizers (engine/config_onebit.py)
+    "optimizer.params.cuda_aware": NoOp(
+        "DeepSpeed's switch for CUDA-aware MPI in the 1-bit optimizers; their compressed all-reduce goes through "
+        "engine/comm.py on the data-parallel group's own backend."
+    ),
+    "optimizer.params.comm_backend_name": NoOp(
+        "Chose DeepSpeed's transport (nccl, mpi, hccl, compressed) for the 1-bit optimizers; the compressed "
+        "all-reduce here runs on the data-parallel group's backend, whichever is named."
+    ),
     # other sections
     "prescale_gradients": NoOp(
         "Moves DeepSpeed's division by the world size before the sum to keep fp16 sums in range; every strategy "
