@@ -164,6 +164,18 @@ class DeepFleetConfig(ConfigSection):
         """The normalized config as plain JSON-compatible data (every default filled in)."""
         return self.model_dump(mode="json")
 
+    # DeepSpeed's `engine.config` is the config dict; integrations read it so
+    # (`engine.config.get("zero_optimization", {}).get("stage")` in HF's Trainer). Read-only views of
+    # `to_dict()`; the typed attributes stay the engine's own interface.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()
+
 
 def _precision_conflicts(*, fp16: Any, bf16: Any) -> list[str]:
     if fp16 is True and bf16 is True:
@@ -259,6 +271,8 @@ def _legacy_forms(data: dict, errors: list[str]) -> None:
     `zero_optimization: true|false` (stage 1 | 0), `zero_optimization.cpu_offload`/`cpu_offload_param`/
     `cpu_offload_use_pin_memory` (the `offload_*` sections) and `optimizer.params.max_grad_norm` (the
     top-level `gradient_clipping`). A legacy key that contradicts its current form is an error."""
+    if data.get("steps_per_print") == float("inf"):  # what Accelerate writes for "never" (DeepSpeed accepts it)
+        data["steps_per_print"] = None
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
         data["zero_optimization"] = zero = {"stage": 1 if zero else 0}
