@@ -39,6 +39,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_monitor import (
@@ -132,6 +133,8 @@ class DeepFleetConfig(ConfigSection):
     """Print the resolved config at initialization."""
     compression_training: CompressionConfig | None = None
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    """deepfleet's own: compression of the gradient reduction and its guard (engine/gradcomp/)."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile one step's FLOPs per module; MFU/HFU per step after it (engine/profiling/)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
@@ -156,6 +159,7 @@ class DeepFleetConfig(ConfigSection):
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
+        problems += stage_problem(self.communication, self.zero_optimization.stage)
         if problems:
             raise ValueError("\n".join(problems))
         return self
