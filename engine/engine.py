@@ -322,7 +322,7 @@ def initialize(
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
-        process_group=parallel.dp_group,
+        process_group=parallel.grad_group,  # dp, and sp ranks when sequence parallel
     )
     loader = None
     if training_data is not None:

@@ -31,8 +31,6 @@ class DeepSpeedConfig:
         self.steps_per_print = c.steps_per_print
         self.dump_state = c.dump_state
         self.gradient_clipping = c.gradient_clipping
-        self.prescale_gradients = c.prescale_gradients
-        self.gradient_predivide_factor = c.gradient_predivide_factor
         self.wall_clock_breakdown = c.wall_clock_breakdown
         self.fp16_enabled = bool(c.fp16.enabled)
         self.bfloat16_enabled = bool(c.bf16.enabled)
@@ -43,7 +41,6 @@ class DeepSpeedConfig:
         self.optimizer_params = c.optimizer.params.model_dump() if c.optimizer is not None else None
         self.scheduler_name = c.scheduler.type if c.scheduler is not None else None
         self.scheduler_params = c.scheduler.params.model_dump() if c.scheduler is not None else None
-        self.zero_allow_untested_optimizer = c.zero_allow_untested_optimizer
         self.world_size = world
 
     def print(self, name: str) -> None:
