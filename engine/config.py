@@ -34,11 +34,12 @@ import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_monitor import (
@@ -59,6 +60,7 @@ from deepfleet.engine.config_optim import (
     SchedulerConfig,
 )
 from deepfleet.engine.config_source import read_source
+from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
@@ -132,6 +134,8 @@ class DeepFleetConfig(ConfigSection):
     """Print the resolved config at initialization."""
     compression_training: CompressionConfig | None = None
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    """deepfleet's own: compression of the gradient reduction and its guard (engine/gradcomp/)."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile one step's FLOPs per module; MFU/HFU per step after it (engine/profiling/)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
@@ -146,6 +150,12 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    sparse_attention: SparseAttentionConfig | None = None
+    """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
+    sequence_parallel_size: Int = Field(1, gt=0)
+    """Ulysses sequence parallelism: ranks that split each sequence (the mesh's `sp` axis, engine/attention/)."""
+    seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
+    """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
@@ -156,6 +166,7 @@ class DeepFleetConfig(ConfigSection):
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
+        problems += stage_problem(self.communication, self.zero_optimization.stage)
         if problems:
             raise ValueError("\n".join(problems))
         return self

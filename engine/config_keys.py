@@ -77,7 +77,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
     "activation_checkpointing": Unsupported(_all_off(_ACTIVATION_CHECKPOINTING_OFF), "drop the section"),
     "pipeline": _SECTION,
-    "sparse_attention": _SECTION,
     "data_efficiency": _OFF,
     "curriculum_learning": _OFF,
     "amp": _OFF,
@@ -100,8 +99,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "timers": _SECTION,
     "torch_autocast": _OFF,
     "communication_data_type": Unsupported(_one_of(None, "fp32")),  # every strategy reduces in fp32
-    "seq_parallel_communication_data_type": Unsupported(_equals("fp32")),
-    "sequence_parallel_size": Unsupported(_equals(1)),
     "sparse_gradients": Unsupported(_equals(False)),
     # DeepSpeed's choice of broadcast over all-gather to publish updated stage-1/2 partitions: the same values
     "disable_allgather": Unsupported(_one_of(False, True)),

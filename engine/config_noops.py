@@ -23,6 +23,11 @@ class NoOp:
 
 
 NO_OPS: dict[str, NoOp] = {
+    # sequence parallelism (engine/attention/)
+    "seq_parallel_communication_data_type": NoOp(
+        "DeepSpeed's dtype for reducing gradients over the data- and sequence-parallel ranks; every strategy "
+        "here reduces gradients in fp32 over that group, which is at least as accurate at every value."
+    ),
     # zero_optimization, stages 1/2: our own partitioning (zero/partitioned.py)
     "zero_optimization.contiguous_gradients": NoOp(
         "Stages 1/2 always pack gradients into flat bucket buffers (contiguous by construction); stage 3 "

@@ -1,7 +1,7 @@
 """Block-sparse attention layouts: DeepSpeed's `SparsityConfig` family, our own construction.
 
-Callers: `SparseSelfAttention` (engine/attention/sparse_self_attention.py), the `sparse_attention`
-config section (`config_sparse_attention.SparseAttentionConfig.sparsity_config`), user scripts through
+Callers: `SparseSelfAttention` (engine/attention/sparse_self_attention.py), models building a layout from
+the `sparse_attention` config section (`from_config` below), user scripts through
 `deepfleet.engine.ops.sparse_attention`, and the benchmarks.
 
 A layout is an int64 tensor (num_heads, num_blocks, num_blocks): entry [h, r, c] = 1 when query block r
@@ -291,3 +291,39 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
 
     def _fill_head(self, h: int, layout: torch.Tensor) -> None:
         self._sliding_window(h, layout, self.num_sliding_window_blocks, causal=self.attention == "unidirectional")
+
+
+def from_config(section, *, num_heads: int) -> SparsityConfig:
+    """The layout object of a `sparse_attention` config section (`SparseAttentionConfig` or its dict) for a
+    layer with `num_heads` heads; each mode takes only its own keys, as DeepSpeed's parser did."""
+    if isinstance(section, dict):
+        from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
+
+        section = SparseAttentionConfig.model_validate(section)
+    common = dict(num_heads=num_heads, block=section.block)
+    per_head = dict(different_layout_per_head=section.different_layout_per_head)
+    if section.mode == "dense":
+        return DenseSparsityConfig(**common)
+    if section.mode == "fixed":
+        return FixedSparsityConfig(**common, **per_head, num_local_blocks=section.num_local_blocks,
+                                   num_global_blocks=section.num_global_blocks, attention=section.attention,
+                                   horizontal_global_attention=section.horizontal_global_attention,
+                                   num_different_global_patterns=section.num_different_global_patterns)
+    if section.mode == "variable":
+        return VariableSparsityConfig(**common, **per_head, num_random_blocks=section.num_random_blocks,
+                                      local_window_blocks=section.local_window_blocks,
+                                      global_block_indices=section.global_block_indices,
+                                      global_block_end_indices=section.global_block_end_indices,
+                                      attention=section.attention,
+                                      horizontal_global_attention=section.horizontal_global_attention)
+    if section.mode == "bigbird":
+        return BigBirdSparsityConfig(**common, **per_head, num_random_blocks=section.num_random_blocks,
+                                     num_sliding_window_blocks=section.num_sliding_window_blocks,
+                                     num_global_blocks=section.num_global_blocks, attention=section.attention)
+    if section.mode == "bslongformer":
+        return BSLongformerSparsityConfig(**common, **per_head,
+                                          num_sliding_window_blocks=section.num_sliding_window_blocks,
+                                          global_block_indices=section.global_block_indices,
+                                          global_block_end_indices=section.global_block_end_indices,
+                                          attention=section.attention)
+    raise NotImplementedError(f"Given sparsity mode, {section.mode}, has not been implemented yet!")
