@@ -12,13 +12,17 @@ _EXPORTS = {
     "InferenceEngine": "deepfleet.engine.inference.engine",
 }
 # Submodules a DeepSpeed script reaches as attributes (`deepspeed.comm.get_rank()`).
-_SUBMODULES = ("comm",)
+_SUBMODULES = ("comm", "moe")
+# Modules of a submodule package that scripts reach as attributes (`deepspeed.moe.layer.MoE`).
+_SUBMODULE_PARTS = {"moe": ("layer", "utils")}
 
 
 def __getattr__(name):
     import importlib
 
     if name in _SUBMODULES:
+        for part in _SUBMODULE_PARTS.get(name, ()):
+            importlib.import_module(f"deepfleet.engine.{name}.{part}")
         return importlib.import_module(f"deepfleet.engine.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'deepfleet.engine' has no attribute {name!r}")

@@ -41,6 +41,7 @@ from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
+from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
     CometConfig,
     CommsLoggerConfig,
@@ -145,6 +146,8 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts shape and expert-parallel degree (deepfleet's own section; engine/moe/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
