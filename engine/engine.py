@@ -26,6 +26,10 @@ from torch import nn
 
 from deepfleet.engine import comm, job_env
 from deepfleet.engine.build import Training, build_training
+from deepfleet.engine.compat import groups as compat_groups
+from deepfleet.engine.compat import zero as compat_zero
+from deepfleet.engine.compat.args import config_from_args
+from deepfleet.engine.compat.engine_members import DeepSpeedEngineMembers
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.memory import HighWater
@@ -36,8 +40,9 @@ from deepfleet.engine.parallel import ParallelDims
 logger = logging.getLogger(__name__)
 
 
-class DeepFleetEngine(nn.Module):
-    """Wraps the user's model for training; built by `initialize`."""
+class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
+    """Wraps the user's model for training; built by `initialize`. DeepSpeed's further engine members
+    (ranks, precision/ZeRO queries, attribute fall-through to the model) are the mixin's."""
 
     def __init__(
         self,
@@ -103,8 +108,10 @@ class DeepFleetEngine(nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """End a micro-step; on the accumulation boundary, take the optimizer step (`lr_kwargs` go to
         the LR scheduler's step)."""
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs or {})
+            self.tput_timer.step_done()
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -117,6 +124,7 @@ class DeepFleetEngine(nn.Module):
             overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
             self._grad_norm = self.sharding.clip_grad_norm_(self.config.gradient_clipping)
             stepped = self.precision.update(overflow)  # False: fp16 overflow, the step is skipped
+            self._step_applied = stepped
             if stepped:
                 self.optimizer.step()
                 self.memory.sample("optimizer_step")  # new optimizer state beside the gradients
@@ -165,6 +173,8 @@ class DeepFleetEngine(nn.Module):
     # --- DeepSpeed's accessors ----------------------------------------------------------------------
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._forced_boundary is not None:  # set_gradient_accumulation_boundary()
+            return self._forced_boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def get_lr(self) -> list[float]:
@@ -208,9 +218,8 @@ class DeepFleetEngine(nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict | None]:
-        """Restore from `<load_dir>/<tag>` (default: newest complete); returns (path, client_state)."""
-        if not load_module_strict:
-            raise ValueError("load_module_strict: only True is supported; checkpoints must match the model")
+        """Restore from `<load_dir>/<tag>` (default: newest complete); returns (path, client_state).
+        `load_module_strict=False` keeps model tensors the checkpoint lacks and ignores extra ones."""
         from deepfleet.engine.checkpoint.api import load_checkpoint
 
         return load_checkpoint(
@@ -220,6 +229,7 @@ class DeepFleetEngine(nn.Module):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            load_module_strict=load_module_strict,
         )
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -286,10 +296,11 @@ def initialize(
     if model is None:
         raise ValueError("model: required; pass model=<your torch.nn.Module>")
     if mpu is not None:
-        raise ValueError("mpu: external model-parallel units are not supported; drop the mpu argument")
-    source = config if config is not None else config_params
-    if source is None:
-        source = getattr(args, "deepspeed_config", None)
+        raise ValueError(
+            "mpu: Megatron-style model-parallel units are not supported (tensor parallelism comes from the "
+            "config's degrees on the engine's mesh); drop the mpu argument"
+        )
+    source = config_from_args(args, config if config is not None else config_params)
     if source is None:  # a script run by a deepfleet job: the spec's engine config
         source = job_env.engine_config()
     if source is None:
@@ -310,7 +321,7 @@ def initialize(
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
-        process_group=parallel.dp_group,
+        process_group=parallel.grad_group,  # dp, and sp ranks when sequence parallel
     )
     loader = None
     if training_data is not None:
@@ -323,6 +334,8 @@ def initialize(
             collate_fn=collate_fn,
         )
     engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
+    compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
+    compat_zero.register_module(model)    # deepspeed.zero.GatheredParameters finds its shards' owners
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -351,3 +364,7 @@ def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None
         cfg = load_config(cfg.to_dict() if isinstance(source, DeepFleetConfig) else source,
                           world_size=world_size, dp_size=parallel.dp_size)
     return cfg, parallel
+
+
+DeepSpeedEngine = DeepFleetEngine
+"""DeepSpeed's name of the engine class (`isinstance(model, deepspeed.DeepSpeedEngine)`)."""

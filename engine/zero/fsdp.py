@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from deepfleet.engine.blocks import blocks
+from deepfleet.engine.blocks import shard_units
 from deepfleet.engine.moe.groups import expert_groups, moe_layers
 from deepfleet.engine.zero.fsdp_collectives import RingReduceScatter
 from deepfleet.engine.zero.gradients import any_nonfinite, clip_to_norm_, split_global_norm
@@ -80,7 +80,7 @@ class FSDPStrategy:
             fully_shard(layer.experts, mesh=DeviceMesh.from_group(groups.dp_group, device.type), mp_policy=policy)
             if groups.dp_size > 1 and dist.get_backend(groups.dp_group) == "gloo":
                 layer.experts.set_custom_reduce_scatter(RingReduceScatter())
-        units = blocks(model)
+        units = shard_units(model)  # transformer blocks; a ZeRO-3 leaf module holding blocks replaces them
         for block in units:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
