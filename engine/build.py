@@ -52,6 +52,7 @@ class Training:
     sinks: list[StepSink] = field(default_factory=list)  # called in order with every step's StepMetrics
     compression: Any = None  # a CompressionScheduler (stepped with the engine, checkpointed), or None
     flops: Any = None  # StepFlops (FLOPs, MFU, HFU per step; engine/profiling/step_flops.py), or None
+    comm_policy: Any = None  # GradientCompression (engine/gradcomp/policy.py), or None
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -114,10 +115,23 @@ def build_training(
     # 7. The FLOPs profiler counts the wrapped model (what forward runs) and needs the compute dtype for
     #    the peak; it fills in each step's flops/MFU before the sinks see the record.
     flops = StepFlops.build(model, config, rank=comm.get_rank(), dtype=precision.compute_dtype)
-    # 8. MoE gates with auxiliary-loss-free balancing update their biases at each step boundary.
+    # 8. The gradient compression policy is installed in engine/comm.py (or cleared, so an earlier engine's
+    #    does not leak into this one); the strategies' gradient reductions go through it from the first step.
+    comm_policy = _comm_policy(config)
+    comm.set_gradient_policy(comm_policy)
+    # 9. MoE gates with auxiliary-loss-free balancing update their biases at each step boundary.
     sinks = [*bias_balancers(model, process_group=process_group), *step_sinks(config)]
     return Training(precision, sharding, opt, scheduler, sinks=sinks, compression=compression,
-                    flops=flops)
+                    flops=flops, comm_policy=comm_policy)
+
+
+def _comm_policy(config: Any) -> Any:
+    section = getattr(config, "communication", None)
+    if section is None or section.compression == "none":
+        return None
+    from deepfleet.engine.gradcomp.policy import GradientCompression
+
+    return GradientCompression(section)
 
 
 def step_sinks(config: Any) -> list[StepSink]:

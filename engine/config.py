@@ -39,6 +39,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_moe import MoEConfig
@@ -134,6 +135,8 @@ class DeepFleetConfig(ConfigSection):
     """Print the resolved config at initialization."""
     compression_training: CompressionConfig | None = None
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    """deepfleet's own: compression of the gradient reduction and its guard (engine/gradcomp/)."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile one step's FLOPs per module; MFU/HFU per step after it (engine/profiling/)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
@@ -166,6 +169,7 @@ class DeepFleetConfig(ConfigSection):
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
+        problems += stage_problem(self.communication, self.zero_optimization.stage)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -173,6 +177,18 @@ class DeepFleetConfig(ConfigSection):
     def to_dict(self) -> dict[str, Any]:
         """The normalized config as plain JSON-compatible data (every default filled in)."""
         return self.model_dump(mode="json")
+
+    # DeepSpeed's `engine.config` is the config dict; integrations read it so
+    # (`engine.config.get("zero_optimization", {}).get("stage")` in HF's Trainer). Read-only views of
+    # `to_dict()`; the typed attributes stay the engine's own interface.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()
 
 
 def _precision_conflicts(*, fp16: Any, bf16: Any) -> list[str]:
@@ -269,6 +285,8 @@ def _legacy_forms(data: dict, errors: list[str]) -> None:
     `zero_optimization: true|false` (stage 1 | 0), `zero_optimization.cpu_offload`/`cpu_offload_param`/
     `cpu_offload_use_pin_memory` (the `offload_*` sections) and `optimizer.params.max_grad_norm` (the
     top-level `gradient_clipping`). A legacy key that contradicts its current form is an error."""
+    if data.get("steps_per_print") == float("inf"):  # what Accelerate writes for "never" (DeepSpeed accepts it)
+        data["steps_per_print"] = None
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
         data["zero_optimization"] = zero = {"stage": 1 if zero else 0}

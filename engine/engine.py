@@ -71,6 +71,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self._grad_norm: float | None = None
         self.sinks: list[StepSink] = list(training.sinks)  # called with each step's StepMetrics, in order
         self.flops = training.flops  # StepFlops (engine/profiling/step_flops.py) or None
+        self.comm_policy = training.comm_policy  # gradient compression (engine/gradcomp/policy.py) or None
         # end-of-training summaries and monitor files: at destroy(), or when the engine is collected or
         # the interpreter exits, whichever comes first (the finalizer runs once)
         self._close_sinks = weakref.finalize(self, close_sinks, self.sinks)
@@ -148,6 +149,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         )
         if self.flops is not None:
             metrics = dataclasses.replace(metrics, **self.flops.figures(metrics))
+        if self.comm_policy is not None:  # its guard's figures (and, past a threshold, its fallback)
+            metrics = dataclasses.replace(metrics, **self.comm_policy.end_step(metrics.loss))
         for sink in self.sinks:
             sink(metrics)
 

@@ -66,7 +66,7 @@ def _allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not strin
     if state.local():
         return _local_future(bucket.buffer())
     buffer = bucket.buffer().div_(state.world_size)
-    future = comm.all_reduce(buffer, group=state.group, async_op=True).get_future()
+    future = comm.all_reduce_gradients(buffer, group=state.group, async_op=True).get_future()
     return future.then(lambda fut: fut.value()[0])
 
 
@@ -77,7 +77,7 @@ def _fp32_allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not 
     if state.local():
         return _local_future(buffer)
     wide = buffer.to(torch.float32).div_(state.world_size)
-    future = comm.all_reduce(wide, group=state.group, async_op=True).get_future()
+    future = comm.all_reduce_gradients(wide, group=state.group, async_op=True).get_future()
     return future.then(lambda fut: buffer.copy_(fut.value()[0]))
 
 
