@@ -42,6 +42,7 @@ from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float
 from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
+from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
     CometConfig,
     CommsLoggerConfig,
@@ -156,6 +157,8 @@ class DeepFleetConfig(ConfigSection):
     """Ulysses sequence parallelism: ranks that split each sequence (the mesh's `sp` axis, engine/attention/)."""
     seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
     """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts shape and expert-parallel degree (deepfleet's own section; engine/moe/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:

@@ -34,6 +34,7 @@ from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
+from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_size
 from deepfleet.engine.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -309,13 +310,14 @@ def initialize(
         raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
     ensure_process_group()
     world_size, rank = comm.get_world_size(), comm.get_rank()
-    cfg, parallel = _config_and_degrees(source, world_size=world_size)
+    cfg, parallel = _config_and_degrees(source, world_size=world_size, model=model)
     if cfg.dump_state and rank == 0:
         logger.info("engine config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
 
     device = training_device()
     parallel.build_mesh(device.type)
     model.to(device)
+    bind_expert_parallel(model, parallel)  # MoE layers get their ep group before any strategy wraps them
     training = build_training(
         model,
         cfg,
@@ -340,7 +342,7 @@ def initialize(
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelDims]:
+def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None = None) -> tuple[Any, ParallelDims]:
     """The resolved config and the parallelism degrees it asks for, over `world_size` ranks.
 
     The degrees come from config sections, and the batch arithmetic needs the data-parallel size they
@@ -353,7 +355,10 @@ def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelD
     else:
         cfg = load_config(source, world_size=world_size)
     try:
-        parallel = ParallelDims.from_config(cfg, world_size=world_size)
+        # the model's MoE layers name their expert-parallel degree (DeepSpeed scripts set it only there)
+        ep = model_ep_size(model, cfg.moe.ep_size if cfg.moe is not None else None) if model is not None else None
+        from_model = {"ep": (ep, "MoE(ep_size=...)")} if ep is not None else None
+        parallel = ParallelDims.from_config(cfg, world_size=world_size, model_degrees=from_model)
     except ValueError as e:
         from deepfleet.engine.config import ConfigError
 
