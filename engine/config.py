@@ -57,6 +57,7 @@ from deepfleet.engine.config_optim import (
     OptimizerConfig,
     SchedulerConfig,
 )
+from deepfleet.engine.config_pipeline import PipelineConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
@@ -131,6 +132,8 @@ class DeepFleetConfig(ConfigSection):
     """Print the resolved config at initialization."""
     compression_training: CompressionConfig | None = None
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallelism of a PipelineModule (engine/pipe/): stages, schedule, activation checkpointing."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile one step's FLOPs per module; MFU/HFU per step after it (engine/profiling/)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)

@@ -76,7 +76,6 @@ _OFF = Unsupported(_disabled, 'drop the section or set "enabled": false')
 NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
     "activation_checkpointing": Unsupported(_all_off(_ACTIVATION_CHECKPOINTING_OFF), "drop the section"),
-    "pipeline": _SECTION,
     "sparse_attention": _SECTION,
     "data_efficiency": _OFF,
     "curriculum_learning": _OFF,

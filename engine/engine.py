@@ -113,8 +113,8 @@ class DeepFleetEngine(nn.Module):
     def _take_model_step(self, lr_kwargs: dict) -> None:
         """The optimizer step of one accumulation window, then its StepMetrics to every sink."""
         with self._recorder.timed("step"):
-            overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
-            self._grad_norm = self.sharding.clip_grad_norm_(self.config.gradient_clipping)
+            overflow = self._finish_gradients()
+            self._grad_norm = self._clip_gradients()
             stepped = self.precision.update(overflow)  # False: fp16 overflow, the step is skipped
             if stepped:
                 self.optimizer.step()
@@ -141,6 +141,14 @@ class DeepFleetEngine(nn.Module):
             metrics = dataclasses.replace(metrics, **self.flops.figures(metrics))
         for sink in self.sinks:
             sink(metrics)
+
+    def _finish_gradients(self) -> bool:
+        """Reduce the window's gradients (the strategy's); True when some rank overflowed."""
+        return self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
+
+    def _clip_gradients(self) -> float:
+        """Clip to `gradient_clipping` over every rank's gradients; the pre-clip global norm."""
+        return self.sharding.clip_grad_norm_(self.config.gradient_clipping)
 
     def _counting(self, phase: str) -> Any:
         """FLOP counting of this phase on the profiled step (a no-op context on every other step)."""
@@ -284,15 +292,15 @@ def initialize(
     Raises ValueError (ConfigError for the config) naming the offending argument or key."""
     if model is None:
         raise ValueError("model: required; pass model=<your torch.nn.Module>")
+    if getattr(model, "deepfleet_pipeline", False):  # a PipelineModule: the pipeline engine (engine/pipe/)
+        from deepfleet.engine.pipe.engine import initialize_pipeline
+
+        return initialize_pipeline(model=model, source=_config_source(args, config, config_params), optimizer=optimizer,
+                                   model_parameters=model_parameters, training_data=training_data,
+                                   lr_scheduler=lr_scheduler, collate_fn=collate_fn)
     if mpu is not None:
         raise ValueError("mpu: external model-parallel units are not supported; drop the mpu argument")
-    source = config if config is not None else config_params
-    if source is None:
-        source = getattr(args, "deepspeed_config", None)
-    if source is None:  # a script run by a deepfleet job: the spec's engine config
-        source = job_env.engine_config()
-    if source is None:
-        raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
+    source = _config_source(args, config, config_params)
     ensure_process_group()
     world_size, rank = comm.get_world_size(), comm.get_rank()
     cfg, parallel = _config_and_degrees(source, world_size=world_size)
@@ -322,6 +330,18 @@ def initialize(
         )
     engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The config `initialize` was given: `config`, `config_params`, `args.deepspeed_config` or the job's."""
+    source = config if config is not None else config_params
+    if source is None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:  # a script run by a deepfleet job: the spec's engine config
+        source = job_env.engine_config()
+    if source is None:
+        raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
+    return source
 
 
 def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelDims]:

@@ -36,6 +36,7 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 # degree -> dotted config key that sets it. Empty today: every degree but data parallelism is 1, and
 # data parallelism takes the rest of the world. A section that asks for a degree adds its row.
 DEGREE_KEYS: dict[str, str] = {}
+DEGREE_KEYS["pp"] = "pipeline.stages"  # engine/pipe/: PipelineModule(num_stages=...) fills it in
 
 
 @dataclass
