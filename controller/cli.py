@@ -125,6 +125,16 @@ def serve(ctx: typer.Context) -> None:
     _run_torch_module("deepfleet.engine.inference.serve_cli", ctx.args)
 
 
+@app.command(
+    "run",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def run(ctx: typer.Context) -> None:
+    """Run an unmodified DeepSpeed/torchrun script on deepfleet (`deepfleet run --help` for more)."""
+    _run_torch_module("deepfleet.engine.compat.run_cli", ctx.args)
+
+
 def _run_torch_module(module: str, args: list[str]) -> None:
     """Run an engine command line as its own process and exit with its status: the CLI stays torch-free
     (import contract)."""

@@ -10,9 +10,14 @@ _EXPORTS = {
     "init_distributed": "deepfleet.engine.dist",
     "init_inference": "deepfleet.engine.inference.engine",
     "InferenceEngine": "deepfleet.engine.inference.engine",
+    "DeepSpeedEngine": "deepfleet.engine.engine",
+    "add_config_arguments": "deepfleet.engine.compat.args",
+    "DeepSpeedConfig": "deepfleet.engine.compat.config",
+    "__version__": "deepfleet.engine.compat.version",
+    "__deepspeed_compat_version__": "deepfleet.engine.compat.version",
 }
-# Submodules a DeepSpeed script reaches as attributes (`deepspeed.comm.get_rank()`).
-_SUBMODULES = ("comm",)
+# Submodules a DeepSpeed script reaches as attributes (`deepspeed.comm.get_rank()`, `deepspeed.zero.Init`).
+_SUBMODULES = ("comm", "accelerator", "ops", "utils", "zero", "runtime", "checkpointing", "moe", "pipe")
 
 
 def __getattr__(name):

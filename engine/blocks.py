@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from torch import nn
 
 OVERRIDE_ATTR = "deepfleet_blocks"
+Z3_LEAF_ATTR = "_z3_leaf"
+"""Set on a module that ZeRO-3 must gather whole (`deepspeed.utils.set_z3_leaf_modules`)."""
 KNOWN_PATHS = (
     "transformer.h",
     "model.layers",
@@ -106,3 +108,24 @@ def _homogeneous_lists(model: nn.Module) -> list[nn.Module]:
             found.extend(m)
             inside.update(id(sub) for sub in m.modules())
     return found
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ZeRO-3 shards as units: `blocks(model)`, except that a module marked as a ZeRO-3
+    leaf (`Z3_LEAF_ATTR`) that contains blocks replaces them (outermost leaf first), so it is
+    gathered whole."""
+    leaves = [m for m in model.modules() if m is not model and getattr(m, Z3_LEAF_ATTR, False)]
+    found = blocks(model)
+    if not leaves:
+        return found
+    inside: dict[int, nn.Module] = {}
+    for leaf in leaves:  # model.modules() is outermost first, so the first leaf holding a block wins
+        for sub in leaf.modules():
+            inside.setdefault(id(sub), leaf)
+    units: list[nn.Module] = []
+    for block in found:
+        unit = inside.get(id(block), block)
+        if all(unit is not u for u in units):
+            units.append(unit)
+    return units
+

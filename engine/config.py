@@ -34,7 +34,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
@@ -50,6 +50,7 @@ from deepfleet.engine.config_monitor import (
     TensorBoardConfig,
     WandbConfig,
 )
+from deepfleet.engine.config_onebit import one_bit_stage_problem
 from deepfleet.engine.config_optim import (
     OPTIMIZER_TYPES,
     OPTIMIZERS_NOT_SUPPORTED,
@@ -59,6 +60,7 @@ from deepfleet.engine.config_optim import (
 )
 from deepfleet.engine.config_pipeline import PipelineConfig
 from deepfleet.engine.config_source import read_source
+from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
@@ -148,6 +150,12 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    sparse_attention: SparseAttentionConfig | None = None
+    """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
+    sequence_parallel_size: Int = Field(1, gt=0)
+    """Ulysses sequence parallelism: ranks that split each sequence (the mesh's `sp` axis, engine/attention/)."""
+    seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
+    """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
@@ -157,6 +165,7 @@ class DeepFleetConfig(ConfigSection):
             label=context.get("label", "world size"),
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
+        problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -256,9 +265,46 @@ def _raw_checks(data: dict, *, world_size: int, auto_batch: set[str], errors: li
 
 
 def _legacy_forms(data: dict, errors: list[str]) -> None:
-    if isinstance(data.get("zero_optimization"), bool):
-        errors.append('zero_optimization: the boolean form is not supported; write {"stage": 1} (or 0)')
-        del data["zero_optimization"]
+    """Rewrite DeepSpeed's older spellings into the current keys, as DeepSpeed reads them:
+    `zero_optimization: true|false` (stage 1 | 0), `zero_optimization.cpu_offload`/`cpu_offload_param`/
+    `cpu_offload_use_pin_memory` (the `offload_*` sections) and `optimizer.params.max_grad_norm` (the
+    top-level `gradient_clipping`). A legacy key that contradicts its current form is an error."""
+    zero = data.get("zero_optimization")
+    if isinstance(zero, bool):
+        data["zero_optimization"] = zero = {"stage": 1 if zero else 0}
+    if isinstance(zero, dict):
+        pin = zero.pop("cpu_offload_use_pin_memory", None)
+        for legacy, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if legacy not in zero:
+                continue
+            value = zero.pop(legacy)
+            if not isinstance(value, bool):
+                errors.append(f"zero_optimization.{legacy}: must be true or false, got {value!r}")
+                continue
+            current = zero.get(section)
+            device = current.get("device", "none") if isinstance(current, dict) else None
+            if value and device not in (None, "cpu"):
+                errors.append(f"zero_optimization.{legacy}: true contradicts {section}.device={device!r}; "
+                              f"drop {legacy} (the older spelling)")
+            elif value and current is None:
+                zero[section] = {"device": "cpu"}
+        if isinstance(pin, bool):
+            for section in ("offload_optimizer", "offload_param"):
+                if isinstance(zero.get(section), dict):
+                    zero[section].setdefault("pin_memory", pin)
+        elif pin is not None:
+            errors.append(f"zero_optimization.cpu_offload_use_pin_memory: must be true or false, got {pin!r}")
+    params = data.get("optimizer", {}).get("params") if isinstance(data.get("optimizer"), dict) else None
+    if isinstance(params, dict) and "max_grad_norm" in params:
+        norm = params.pop("max_grad_norm")
+        clip = data.get("gradient_clipping")
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) or norm < 0:
+            errors.append(f"optimizer.params.max_grad_norm: must be a number >= 0, got {norm!r}")
+        elif norm and clip not in (None, 0, 0.0, norm):
+            errors.append(f"optimizer.params.max_grad_norm: {norm} contradicts gradient_clipping: {clip}; "
+                          "keep only gradient_clipping")
+        elif norm:
+            data["gradient_clipping"] = norm
 
 
 def _drop_auto_out_of_stage(data: dict) -> None:

@@ -23,6 +23,11 @@ class NoOp:
 
 
 NO_OPS: dict[str, NoOp] = {
+    # sequence parallelism (engine/attention/)
+    "seq_parallel_communication_data_type": NoOp(
+        "DeepSpeed's dtype for reducing gradients over the data- and sequence-parallel ranks; every strategy "
+        "here reduces gradients in fp32 over that group, which is at least as accurate at every value."
+    ),
     # zero_optimization, stages 1/2: our own partitioning (zero/partitioned.py)
     "zero_optimization.contiguous_gradients": NoOp(
         "Stages 1/2 always pack gradients into flat bucket buffers (contiguous by construction); stage 3 "
@@ -90,6 +95,15 @@ NO_OPS: dict[str, NoOp] = {
     ),
     "compression_training.sparse_pruning.shared_parameters.dense_ratio": NoOp(
         "Read by DeepSpeed only for snip_momentum pruning; l1 and topk use each group's dense_ratio."
+    ),
+    # optimizer section, the 1-bit optimizers (engine/config_onebit.py)
+    "optimizer.params.cuda_aware": NoOp(
+        "DeepSpeed's switch for CUDA-aware MPI in the 1-bit optimizers; their compressed all-reduce goes through "
+        "engine/comm.py on the data-parallel group's own backend."
+    ),
+    "optimizer.params.comm_backend_name": NoOp(
+        "Chose DeepSpeed's transport (nccl, mpi, hccl, compressed) for the 1-bit optimizers; the compressed "
+        "all-reduce here runs on the data-parallel group's backend, whichever is named."
     ),
     # other sections
     "prescale_gradients": NoOp(

@@ -4,7 +4,7 @@ Each optimizer and each LR schedule is one variant of a discriminated union on `
 config carries only the parameters its variant understands (an `Adam` section with `momentum` is
 an unknown key, named). Parameter names and defaults follow DeepSpeed's code: its `Adam`/`AdamW`
 (FusedAdam; `torch_adam` selects torch's classes), `Lamb` (FusedLamb), `Lion` (FusedLion), torch's
-`SGD`/`Adagrad`, and its five schedules in `runtime/lr_schedules.py`. Read by
+`SGD`/`Adagrad`, the 1-bit optimizers (`config_onebit.py`), and its five schedules in `runtime/lr_schedules.py`. Read by
 `deepfleet.engine.optim.build_optimizer` and `deepfleet.engine.lr_schedules.build_lr_scheduler`.
 Torch-free.
 """
@@ -16,12 +16,13 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from deepfleet.engine.config_base import Betas, Bool, ConfigSection, Float, Int, PerGroupRate
+from deepfleet.engine.config_onebit import ONEBIT_TYPES, OneBitAdamConfig, OneBitLambConfig, ZeroOneAdamConfig
 
 # DeepSpeed matches optimizer types case-insensitively; these are the canonical spellings.
-OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", *ONEBIT_TYPES)
 # Optimizers DeepSpeed knows (its own, or any torch.optim class by name) that this engine lacks.
 OPTIMIZERS_NOT_SUPPORTED = (
-    "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon",
+    "MuAdam", "MuAdamW", "MuSGD", "Muon",
     "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SparseAdam", "Adafactor",
 )
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
@@ -43,7 +44,8 @@ class AdamParams(ConfigSection):
     """Weight decay. Unset resolves to DeepSpeed's effective default: 0.01 for torch's AdamW
     (`torch_adam` with decoupled decay), else 0.0 (FusedAdam)."""
     bias_correction: Bool = True
-    """Bias-correct the moment estimates (only `true` is supported)."""
+    """Bias-correct the moment estimates (`false`: DeepSpeed's FusedAdam without correction, stepped by
+    `deepfleet.engine.optim.Adam`)."""
     amsgrad: Bool = False
     """Use the AMSGrad variant (keeps the maximum of past squared-gradient averages)."""
     adam_w_mode: Bool = True
@@ -165,8 +167,8 @@ class AdamWConfig(ConfigSection):
 def _resolve_adam_weight_decay(params: AdamParams, *, decoupled: bool) -> None:
     if params.weight_decay is None:
         params.weight_decay = 0.01 if (params.torch_adam and decoupled) else 0.0
-    if not params.bias_correction:
-        raise ValueError("params.bias_correction: false is not supported yet; drop it (bias correction stays on)")
+    if not params.bias_correction and params.amsgrad:
+        raise ValueError("params.bias_correction: false with amsgrad: true is not supported; drop one of them")
 
 
 class SGDConfig(ConfigSection):
@@ -206,7 +208,8 @@ class LionConfig(ConfigSection):
 
 
 OptimizerConfig = Annotated[
-    AdamConfig | AdamWConfig | SGDConfig | AdagradConfig | LambConfig | LionConfig,
+    AdamConfig | AdamWConfig | SGDConfig | AdagradConfig | LambConfig | LionConfig
+    | OneBitAdamConfig | ZeroOneAdamConfig | OneBitLambConfig,
     Field(discriminator="type"),
 ]
 

@@ -26,6 +26,10 @@ from torch import nn
 
 from deepfleet.engine import comm, job_env
 from deepfleet.engine.build import Training, build_training
+from deepfleet.engine.compat import groups as compat_groups
+from deepfleet.engine.compat import zero as compat_zero
+from deepfleet.engine.compat.args import config_from_args
+from deepfleet.engine.compat.engine_members import DeepSpeedEngineMembers
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.memory import HighWater
@@ -35,8 +39,9 @@ from deepfleet.engine.parallel import ParallelDims
 logger = logging.getLogger(__name__)
 
 
-class DeepFleetEngine(nn.Module):
-    """Wraps the user's model for training; built by `initialize`."""
+class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
+    """Wraps the user's model for training; built by `initialize`. DeepSpeed's further engine members
+    (ranks, precision/ZeRO queries, attribute fall-through to the model) are the mixin's."""
 
     def __init__(
         self,
@@ -102,8 +107,10 @@ class DeepFleetEngine(nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """End a micro-step; on the accumulation boundary, take the optimizer step (`lr_kwargs` go to
         the LR scheduler's step)."""
+        self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs or {})
+            self.tput_timer.step_done()
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -116,6 +123,7 @@ class DeepFleetEngine(nn.Module):
             overflow = self._finish_gradients()
             self._grad_norm = self._clip_gradients()
             stepped = self.precision.update(overflow)  # False: fp16 overflow, the step is skipped
+            self._step_applied = stepped
             if stepped:
                 self.optimizer.step()
                 self.memory.sample("optimizer_step")  # new optimizer state beside the gradients
@@ -172,6 +180,8 @@ class DeepFleetEngine(nn.Module):
     # --- DeepSpeed's accessors ----------------------------------------------------------------------
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._forced_boundary is not None:  # set_gradient_accumulation_boundary()
+            return self._forced_boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def get_lr(self) -> list[float]:
@@ -215,9 +225,8 @@ class DeepFleetEngine(nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict | None]:
-        """Restore from `<load_dir>/<tag>` (default: newest complete); returns (path, client_state)."""
-        if not load_module_strict:
-            raise ValueError("load_module_strict: only True is supported; checkpoints must match the model")
+        """Restore from `<load_dir>/<tag>` (default: newest complete); returns (path, client_state).
+        `load_module_strict=False` keeps model tensors the checkpoint lacks and ignores extra ones."""
         from deepfleet.engine.checkpoint.api import load_checkpoint
 
         return load_checkpoint(
@@ -227,6 +236,7 @@ class DeepFleetEngine(nn.Module):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            load_module_strict=load_module_strict,
         )
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -299,7 +309,10 @@ def initialize(
                                    model_parameters=model_parameters, training_data=training_data,
                                    lr_scheduler=lr_scheduler, collate_fn=collate_fn)
     if mpu is not None:
-        raise ValueError("mpu: external model-parallel units are not supported; drop the mpu argument")
+        raise ValueError(
+            "mpu: Megatron-style model-parallel units are not supported (tensor parallelism comes from the "
+            "config's degrees on the engine's mesh); drop the mpu argument"
+        )
     source = _config_source(args, config, config_params)
     ensure_process_group()
     world_size, rank = comm.get_world_size(), comm.get_rank()
@@ -316,7 +329,7 @@ def initialize(
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
-        process_group=parallel.dp_group,
+        process_group=parallel.grad_group,  # dp, and sp ranks when sequence parallel
     )
     loader = None
     if training_data is not None:
@@ -329,14 +342,14 @@ def initialize(
             collate_fn=collate_fn,
         )
     engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
+    compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
+    compat_zero.register_module(model)    # deepspeed.zero.GatheredParameters finds its shards' owners
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
-    """The config `initialize` was given: `config`, `config_params`, `args.deepspeed_config` or the job's."""
-    source = config if config is not None else config_params
-    if source is None:
-        source = getattr(args, "deepspeed_config", None)
+    """The config `initialize` was given: `config`, `config_params`, the args' or the job's."""
+    source = config_from_args(args, config if config is not None else config_params)
     if source is None:  # a script run by a deepfleet job: the spec's engine config
         source = job_env.engine_config()
     if source is None:
@@ -355,7 +368,7 @@ def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelD
     if isinstance(source, DeepFleetConfig):
         cfg = source
     else:
-        cfg = load_config(source, world_size=world_size)
+        cfg = load_config(source, world_size=world_size, dp_size=_raw_dp_size(source, world_size=world_size))
     try:
         parallel = ParallelDims.from_config(cfg, world_size=world_size)
     except ValueError as e:
@@ -366,3 +379,29 @@ def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelD
         cfg = load_config(cfg.to_dict() if isinstance(source, DeepFleetConfig) else source,
                           world_size=world_size, dp_size=parallel.dp_size)
     return cfg, parallel
+
+
+def _raw_dp_size(source: Any, *, world_size: int) -> int | None:
+    """The data-parallel size the raw config's degree keys leave (`DEGREE_KEYS`; integers only), so a
+    `train_batch_size` written for it resolves on the first parse; None when they cannot tell."""
+    from deepfleet.engine.config_source import read_source
+    from deepfleet.engine.parallel import DEGREE_KEYS
+
+    raw = read_source(source, [])
+    if raw is None:
+        return None
+    given: dict[str, int] = {}
+    for degree, key in DEGREE_KEYS.items():
+        value: Any = raw
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            given[degree] = value
+    try:
+        return ParallelDims(**given, world_size=world_size).dp_size
+    except ValueError:
+        return None  # the full parse reports the degrees' problem by key
+
+
+DeepSpeedEngine = DeepFleetEngine
+"""DeepSpeed's name of the engine class (`isinstance(model, deepspeed.DeepSpeedEngine)`)."""

@@ -10,6 +10,8 @@ the CPU); `torch_adam: true` (DeepSpeed's switch away from its fused kernel), `a
 Adam (`adam_w_mode: false`) build torch's own classes on their multi-tensor `foreach` path, as do SGD and
 Adagrad. The update is the same either way (tested against `torch.optim.AdamW`).
 
+`OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` live in `engine/onebit/` (they communicate).
+
 Lamb and Lion are not in torch, so they are written here as `torch.optim.Optimizer` subclasses:
 per-group hyper-parameters, state in `self.state` (so `state_dict()`/`load_state_dict()` and
 `torch.distributed.checkpoint` work as for torch's optimizers), and a multi-tensor step on
@@ -28,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from deepfleet.engine import comm
+from deepfleet.engine.config_onebit import OneBitAdamConfig, OneBitLambConfig, ZeroOneAdamConfig
 from deepfleet.engine.config_optim import (
     AdagradConfig,
     AdamConfig,
@@ -39,7 +42,7 @@ from deepfleet.engine.config_optim import (
 )
 from deepfleet.kernels.fused_adamw import fused_adamw
 
-__all__ = ["FusedAdamW", "Lamb", "Lion", "build_optimizer"]
+__all__ = ["Adam", "FusedAdamW", "Lamb", "Lion", "build_optimizer"]
 
 
 def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -48,6 +51,9 @@ def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> tor
     p = config.params
     if isinstance(config, (AdamConfig, AdamWConfig)):
         decoupled = isinstance(config, AdamWConfig) or p.adam_w_mode
+        if not p.bias_correction:  # torch's Adam classes and the fused kernel always bias-correct
+            return Adam(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
+                        bias_correction=False, adam_w_mode=decoupled)
         if decoupled and not p.torch_adam and not p.amsgrad:
             return FusedAdamW(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
@@ -65,7 +71,28 @@ def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> tor
                     max_coeff=p.max_coeff, min_coeff=p.min_coeff)
     if isinstance(config, LionConfig):
         return Lion(groups, lr=p.lr, betas=p.betas, weight_decay=p.weight_decay)
+    if isinstance(config, (OneBitAdamConfig, ZeroOneAdamConfig, OneBitLambConfig)):
+        return _one_bit(groups, config)
     raise TypeError(f"build_optimizer: unsupported optimizer config {type(config).__name__}")
+
+
+def _one_bit(groups: list[Any], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """The 1-bit optimizers (engine/onebit/), imported only when configured; `cuda_aware` and
+    `comm_backend_name` choose DeepSpeed's transports and have no counterpart here."""
+    from deepfleet.engine.onebit.adam import OneBitAdam, ZeroOneAdam
+    from deepfleet.engine.onebit.lamb import OneBitLamb
+
+    p = config.params
+    common = dict(lr=p.lr, bias_correction=p.bias_correction, betas=p.betas, eps=p.eps,
+                  eps_inside_sqrt=p.eps_inside_sqrt, weight_decay=p.weight_decay)
+    if isinstance(config, OneBitAdamConfig):
+        return OneBitAdam(groups, freeze_step=p.freeze_step, **common)
+    if isinstance(config, ZeroOneAdamConfig):
+        return ZeroOneAdam(groups, var_freeze_step=p.var_freeze_step, var_update_scaler=p.var_update_scaler,
+                           local_step_scaler=p.local_step_scaler, local_step_clipper=p.local_step_clipper, **common)
+    return OneBitLamb(groups, freeze_step=p.freeze_step, max_coeff=p.max_coeff, min_coeff=p.min_coeff,
+                      coeff_beta=p.coeff_beta, factor_max=p.factor_max, factor_min=p.factor_min,
+                      factor_threshold=p.factor_threshold, **common)
 
 
 def _params_with_grad(group: dict) -> list[torch.Tensor]:
@@ -264,3 +291,53 @@ class Lion(_ChunkedOptimizer):
             torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
         torch._foreach_add_(params, direction, alpha=-group["lr"])
         torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)               # m = b2 m + (1 - b2) g
+
+
+class Adam(_ChunkedOptimizer):
+    """Adam with DeepSpeed's FusedAdam switches: `bias_correction` (torch's Adam always corrects) and
+    `adam_w_mode` (decoupled decay, AdamW; else L2 decay added to the gradient). State names are
+    torch's ("step", "exp_avg", "exp_avg_sq"). Elementwise, so it works on DTensor shards as on tensors.
+
+    ``m = b1 m + (1 - b1) g``; ``v = b2 v + (1 - b2) g^2``; with c1 = 1 - b1^t, c2 = 1 - b2^t when
+    bias-corrected (else 1): ``w -= lr / c1 * m / (sqrt(v) / sqrt(c2) + eps)``; decoupled decay first
+    scales ``w *= 1 - lr * weight_decay``."""
+
+    def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
+                 adam_w_mode: bool = True, foreach: bool = True) -> None:
+        _check_hparams(lr, betas, weight_decay)
+        if eps < 0:
+            raise ValueError(f"eps: must be >= 0, got {eps}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      bias_correction=bias_correction, adam_w_mode=adam_w_mode, foreach=foreach))
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def _update(self, params: list[torch.Tensor], group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        local = [_local(p) for p in params]
+        grads = [_local(p.grad) for p in params]
+        exp_avgs = [_local(self.state[p]["exp_avg"]) for p in params]
+        exp_avg_sqs = [_local(self.state[p]["exp_avg_sq"]) for p in params]
+        steps = [self.state[p]["step"] for p in params]
+        torch._foreach_add_(steps, 1.0)
+        counts = [float(s) for s in steps]
+        if group["bias_correction"] and group["adam_w_mode"] and len(set(counts)) == 1:
+            # torch's AdamW update: one fused-kernel launch (Triton on CUDA, torch's fused CPU kernel)
+            fused_adamw(local, grads, exp_avgs, exp_avg_sqs, lr=lr, betas=(beta1, beta2), eps=group["eps"],
+                        weight_decay=wd, step=int(counts[0]))
+            return
+        if wd and not group["adam_w_mode"]:
+            grads = torch._foreach_add(grads, local, alpha=wd)           # L2: g + wd * w
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+        c1 = [1.0 - beta1**t for t in counts] if group["bias_correction"] else [1.0] * len(counts)
+        c2 = [(1.0 - beta2**t) ** 0.5 for t in counts] if group["bias_correction"] else [1.0] * len(counts)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, c2)
+        torch._foreach_add_(denom, group["eps"])
+        if wd and group["adam_w_mode"]:
+            torch._foreach_mul_(local, 1.0 - lr * wd)
+        torch._foreach_addcdiv_(local, exp_avgs, denom, [-lr / c for c in c1])

@@ -36,6 +36,7 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 # degree -> dotted config key that sets it. Empty today: every degree but data parallelism is 1, and
 # data parallelism takes the rest of the world. A section that asks for a degree adds its row.
 DEGREE_KEYS: dict[str, str] = {}
+DEGREE_KEYS["sp"] = "sequence_parallel_size"  # Ulysses sequence parallelism (engine/attention/)
 DEGREE_KEYS["pp"] = "pipeline.stages"  # engine/pipe/: PipelineModule(num_stages=...) fills it in
 
 
@@ -136,6 +137,8 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in DIMS), mesh_dim_names=DIMS)
         subs = {d: mesh[d] for d in DIMS}
         subs["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.sp > 1:  # sequence-parallel ranks see other tokens of the same samples: gradients span both
+            subs["dp_sp"] = mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
         if self.ep > 1:
             split = subs["dp"]._unflatten(0, (self.dp_size // self.ep, self.ep), ("dp_mod_ep", "ep"))
             subs["ep"], subs["dp_mod_ep"] = split["ep"], split["dp_mod_ep"]
@@ -143,8 +146,8 @@ class ParallelDims:
         return mesh
 
     def submesh(self, name: str) -> Any:
-        """A named sub-mesh: one of `DIMS`, "dp" (dp_replicate x dp_shard flattened) and, with ep > 1,
-        "ep" and "dp_mod_ep". Raises KeyError for other names, RuntimeError before `build_mesh`."""
+        """A named sub-mesh: one of `DIMS`, "dp" (dp_replicate x dp_shard flattened), with sp > 1 "dp_sp"
+        (dp x sp flattened) and, with ep > 1, "ep" and "dp_mod_ep". Raises KeyError for other names, RuntimeError before `build_mesh`."""
         if self.mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not run; the engine builds it in initialize")
         if name not in self._submeshes:
@@ -160,6 +163,13 @@ class ParallelDims:
     def dp_group(self) -> Any:
         """The data-parallel process group: what gradients reduce over and the batch is split over."""
         return self.dp_mesh.get_group()
+
+    @property
+    def grad_group(self) -> Any:
+        """The group gradients are averaged (and ZeRO state sharded) over: the data-parallel ranks, and with
+        sp > 1 the sequence-parallel ranks too (each holds 1/sp of every sequence's tokens), as DeepSpeed's
+        sequence-data-parallel group."""
+        return self.submesh("dp_sp").get_group() if self.sp > 1 else self.dp_group
 
     @property
     def dp_rank(self) -> int:

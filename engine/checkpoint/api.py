@@ -13,7 +13,10 @@ What this reads from the engine (duck-typed, so the engine never needs a checkpo
   optional, saved through its `state_dict()` and restored through `load_state_dict()`. The data
   loader's state must be world-size independent (global samples consumed, epoch, seed) so a resume at
   another world size with the same global batch continues with the same batches;
-- `engine.config`: `zero_optimization.stage` and a hash of the config, recorded in the manifest.
+- `engine.config`: `zero_optimization.stage` and a hash of the config, recorded in the manifest;
+- `engine.optimizer.comm_state_dict()` / `load_comm_state_dict()` when it has them (the 1-bit optimizers'
+  error feedback): saved in each rank's own file, restored at the same world size, reset (and logged)
+  at another.
 
 Loading reshards to the current world size and ZeRO stage with no offline step (DCP maps between
 layouts); a checkpoint that does not fit raises CheckpointError before any tensor is read.
@@ -94,7 +97,7 @@ def save_checkpoint(
     writer.save(
         Path(save_dir) / tag,
         tensors=engine.sharding.state_dict(),
-        rank_state={"rank": _rank(), "world_size": world, "rng": capture_rng()},
+        rank_state={"rank": _rank(), "world_size": world, "rng": capture_rng(), **_comm_state(engine)},
         shared_state=shared,
         manifest_fields={
             "global_steps": int(engine.global_steps),
@@ -128,8 +131,13 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    load_module_strict: bool = True,
 ) -> tuple[str | None, dict | None]:
     """Restore the engine from `<load_dir>/<tag>` (default: the newest complete checkpoint).
+
+    `load_module_strict=False` (DeepSpeed's meaning): model tensors the checkpoint lacks keep their
+    current values and checkpoint tensors the model lacks are ignored; shapes of the shared ones must
+    still match.
 
     Returns `(step_dir, client_state)`, or `(None, None)` when there is nothing to load. A given `tag`
     must name a complete checkpoint. Raises CheckpointError for an interrupted, corrupted, too-new or
@@ -150,10 +158,19 @@ def load_checkpoint(
 
     with_optim = load_optimizer_states and not load_module_only
     state = engine.sharding.state_dict()
+    if not load_module_strict and with_optim:
+        saved_model = {k for k in reader.saved_shapes() if k.startswith("model.")}
+        if saved_model != {f"model.{k}" for k in _flat_keys(state["model"])}:
+            # the optimizer's param groups list the saved model's parameters: they cannot be mapped
+            log.warning("load_module_strict=False: the model's parameters differ from the checkpoint's, "
+                        "so the optimizer state is not loaded (fresh optimizer state)")
+            with_optim = False
     if with_optim:
         _complete_optimizer_template(state, reader.saved_shapes())
     wanted = state if with_optim else {"model": state["model"]}
-    reader.check_shapes(wanted)
+    if not load_module_strict:  # the same tensors: DCP fills the shared ones in place, the rest stay
+        wanted = _only_saved(wanted, reader.saved_shapes())
+    reader.check_shapes(wanted, strict_prefixes=("model.",) if load_module_strict else ())
     shared = reader.shared_state()
     if not load_module_only:
         # First: these may refuse the checkpoint (a data loader seeded differently) before tensors change.
@@ -169,6 +186,7 @@ def load_checkpoint(
         if hasattr(engine, "global_samples"):
             engine.global_samples = int(shared.get("global_samples", 0))
         _restore_rank_rng(reader, rank=_rank())
+        _restore_comm_state(engine, reader)
     saved = reader.manifest.degrees or {}
     log.info(
         "loaded checkpoint %s (saved at world size %d, data-parallel size %s)",
@@ -176,6 +194,25 @@ def load_checkpoint(
         saved.get("dp_replicate", 1) * saved["dp_shard"] if "dp_shard" in saved else "unrecorded",
     )
     return str(step_dir), shared.get("client_state", {})
+
+
+def _flat_keys(state: dict, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for key, value in state.items():
+        keys += _flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
+
+
+def _only_saved(template: dict, saved: dict, prefix: str = "") -> dict:
+    """`template` without the tensor leaves the checkpoint does not hold (DCP's flat key names)."""
+    out: dict = {}
+    for key, value in template.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out[key] = _only_saved(value, saved, prefix=f"{name}.")
+        elif not isinstance(value, torch.Tensor) or name in saved:
+            out[key] = value
+    return out
 
 
 def _restore_statefuls(engine: Any, shared: dict, *, step_dir: Path, skip: set[str]) -> None:
@@ -214,6 +251,29 @@ def _complete_optimizer_template(state: dict, saved: dict[str, tuple[tuple[int, 
         if fqn in fqns:
             filled.setdefault(fqn, {})[name] = torch.zeros(shape, dtype=dtype)
     optim["state"] = filled
+
+
+def _comm_owners(engine: Any) -> dict[str, Any]:
+    """What holds rank-local communication state (error feedback): the 1-bit optimizers."""
+    owners = {"optimizer": getattr(engine, "optimizer", None)}
+    return {name: obj for name, obj in owners.items() if hasattr(obj, "comm_state_dict")}
+
+
+def _comm_state(engine: Any) -> dict:
+    """This rank's error-feedback buffers, saved in its own rank file (they differ per rank and their
+    layout depends on the world size, so they are not part of the resharded tensors)."""
+    owners = _comm_owners(engine)
+    return {"comm_state": {name: obj.comm_state_dict() for name, obj in owners.items()}} if owners else {}
+
+
+def _restore_comm_state(engine: Any, reader: StepReader) -> None:
+    """Restore this rank's error feedback when the world size is the saving one; otherwise each owner
+    resets its errors and logs that it did."""
+    mine = reader.rank_state(_rank())
+    same_world = reader.manifest.world_size == comm.get_world_size()
+    saved = (mine or {}).get("comm_state", {}) if same_world else {}
+    for name, obj in _comm_owners(engine).items():
+        obj.load_comm_state_dict(saved.get(name))
 
 
 def _restore_rank_rng(reader: StepReader, *, rank: int) -> None:

@@ -30,5 +30,10 @@ class CometMonitor:
         self._next = m.global_samples + self.interval
         self.experiment.log_metrics(scalars(m), step=m.global_samples)
 
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        """DeepSpeed's `monitor.write_events`: `(tag, value, step)` scalars from the training script."""
+        for tag, value, step in events:
+            self.experiment.log_metric(tag, value, step=step)
+
     def close(self) -> None:
         self.experiment.end()

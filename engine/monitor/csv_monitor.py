@@ -23,7 +23,11 @@ class CSVMonitor:
         return os.path.join(self.folder, tag.replace("/", "_") + ".csv")
 
     def write(self, m: StepMetrics) -> None:
-        for tag, value in scalars(m).items():
+        self.write_events([(tag, value, m.global_samples) for tag, value in scalars(m).items()])
+
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        """Rows `step,value` per tag (also DeepSpeed's `monitor.write_events` from training scripts)."""
+        for tag, value, step in events:
             entry = self._files.get(tag)
             if entry is None:
                 path = self.path(tag)
@@ -34,7 +38,7 @@ class CSVMonitor:
                     writer.writerow(["step", tag.rsplit("/", 1)[-1]])
                 entry = self._files[tag] = (f, writer)
             f, writer = entry
-            writer.writerow([m.global_samples, value])
+            writer.writerow([step, value])
             f.flush()
 
     def close(self) -> None:

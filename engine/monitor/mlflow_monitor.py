@@ -42,5 +42,12 @@ class MLflowMonitor:
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        """DeepSpeed's `monitor.write_events`: `(tag, value, step)` scalars from the training script."""
+        now = int(time.time() * 1000)
+        metrics = [self._metric(tag.rsplit("/", 1)[-1], value, now, step) for tag, value, step in events]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -25,5 +25,10 @@ class TensorBoardMonitor:
         if self.flush_every and m.step % self.flush_every == 0:
             self.writer.flush()
 
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        """DeepSpeed's `monitor.write_events`: `(tag, value, step)` scalars from the training script."""
+        for tag, value, step in events:
+            self.writer.add_scalar(tag, value, step)
+
     def close(self) -> None:
         self.writer.close()

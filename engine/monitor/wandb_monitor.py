@@ -23,5 +23,10 @@ class WandbMonitor:
     def write(self, m: StepMetrics) -> None:
         self.run.log(scalars(m), step=m.global_samples)
 
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        """DeepSpeed's `monitor.write_events`: `(tag, value, step)` scalars from the training script."""
+        for tag, value, step in events:
+            self.run.log({tag: value}, step=step)
+
     def close(self) -> None:
         self.run.finish()

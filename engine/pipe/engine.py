@@ -34,6 +34,7 @@ from torch import nn
 
 from deepfleet.engine import comm
 from deepfleet.engine.build import build_training
+from deepfleet.engine.compat import groups as compat_groups
 from deepfleet.engine.config import ConfigError, DeepFleetConfig
 from deepfleet.engine.config_pipeline import SCHEDULE_CHUNKS
 from deepfleet.engine.config_source import read_source
@@ -281,7 +282,7 @@ def initialize_pipeline(
     # Tied copies are made equal before the strategy takes its fp32 masters from them.
     tied = TiedWeights.build(model, mesh_ranks=parallel.mesh.mesh, rank=rank)
     training = build_training(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                              lr_scheduler=lr_scheduler, process_group=parallel.dp_group)
+                              lr_scheduler=lr_scheduler, process_group=parallel.grad_group)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
@@ -289,4 +290,5 @@ def initialize_pipeline(
                                   collate_fn=collate_fn)
     engine = PipelineEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader,
                             tied=tied, schedule_name=name)
+    compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
     return engine, engine.optimizer, loader, engine.lr_scheduler

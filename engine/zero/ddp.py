@@ -5,7 +5,8 @@ gradients and optimizer state; DDP all-reduces bucketed gradients during backwar
 (`gradient_as_bucket_view=True`, so gradients live in the buckets, no second copy), through a comm hook
 that issues each bucket's all-reduce via `engine.comm`, so they are counted with every other collective.
 On non-boundary micro-steps the engine turns sync off, which DDP reads when the forward starts (the
-`no_sync` flag).
+`no_sync` flag). A 1-bit optimizer (`engine/onebit/`) that averages compressed momentum itself tells the
+hook, per step, to leave the gradients local (`bind_optimizer`).
 
 16-bit training (bf16/fp16) keeps fp32 master weights here, as DeepSpeed does: the model runs in 16 bits,
 the optimizer updates the fp32 masters, and `after_optimizer_step` copies them back. Gradients are
@@ -37,23 +38,45 @@ from deepfleet.engine.zero.optim_state import (
 _MB = 1024 * 1024
 
 
+class _HookState:
+    """What the comm hooks read at every bucket: the group, its size, and whether this step's gradients
+    are reduced at all. An optimizer that reduces them itself once its warm-up is over (the 1-bit
+    optimizers of `engine/onebit/`) answers through `reduce` (called before the step's backward)."""
+
+    def __init__(self, group: Any, world_size: int) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.reduce: Any = None  # None, or a callable -> bool
+
+    def local(self) -> bool:
+        return self.reduce is not None and not self.reduce()
+
+
+def _local_future(buffer: torch.Tensor) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
 def _allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
     """Average a gradient bucket (`dist.GradBucket`) through `engine.comm`, so DDP's bucket reductions
-    are counted like every other collective; `state` is (process group, world size). Returns the
-    future DDP waits on (torch's default hook does the same, uncounted)."""
-    group, world_size = state
-    buffer = bucket.buffer().div_(world_size)
-    future = comm.all_reduce(buffer, group=group, async_op=True).get_future()
+    are counted like every other collective; `state` is a `_HookState`. Returns the future DDP waits on
+    (torch's default hook does the same, uncounted)."""
+    if state.local():
+        return _local_future(bucket.buffer())
+    buffer = bucket.buffer().div_(state.world_size)
+    future = comm.all_reduce(buffer, group=state.group, async_op=True).get_future()
     return future.then(lambda fut: fut.value()[0])
 
 
 def _fp32_allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not string) annotations
     """Average a 16-bit gradient bucket (`dist.GradBucket`) in fp32, then store the result back in the
-    bucket's dtype; `state` is (process group, world size). Returns the future DDP waits on."""
-    group, world_size = state
+    bucket's dtype; `state` is a `_HookState`. Returns the future DDP waits on."""
     buffer = bucket.buffer()
-    wide = buffer.to(torch.float32).div_(world_size)
-    future = comm.all_reduce(wide, group=group, async_op=True).get_future()
+    if state.local():
+        return _local_future(buffer)
+    wide = buffer.to(torch.float32).div_(state.world_size)
+    future = comm.all_reduce(wide, group=state.group, async_op=True).get_future()
     return future.then(lambda fut: buffer.copy_(fut.value()[0]))
 
 
@@ -93,7 +116,8 @@ class DDPStrategy:
             bucket_cap_mb=bucket_elements * 4 / _MB,
         )
         hook = _allreduce_hook if compute_dtype == torch.float32 else _fp32_allreduce_hook
-        self.module.register_comm_hook((process_group, self._world_size), hook)
+        self._hook_state = _HookState(process_group, self._world_size)
+        self.module.register_comm_hook(self._hook_state, hook)
         self._optimizer: torch.optim.Optimizer | None = None
 
     def optimizer_param_groups(self, groups: list[dict]) -> list[dict]:
@@ -112,6 +136,10 @@ class DDPStrategy:
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
+        reduce = getattr(optimizer, "reduce_gradients", None)
+        if callable(reduce):  # a 1-bit optimizer: it averages (compressed) once its warm-up is over
+            optimizer.bind_process_group(self._group)
+            self._hook_state.reduce = reduce
 
     def set_gradient_sync(self, enabled: bool) -> None:
         # DDP reads this flag when forward starts (it is what `no_sync()` toggles).
@@ -136,6 +164,7 @@ class DDPStrategy:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         # Every rank holds the same full gradients (plain tensors): the local norm is the global norm.
+        # On the steps a 1-bit optimizer keeps gradients local, it is this rank's local norm.
         return clip_by_global_norm_([m.grad for m in self._masters if m.grad is not None], max_norm, None)
 
     def after_optimizer_step(self) -> None:

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from deepfleet.engine.blocks import blocks
+from deepfleet.engine.blocks import shard_units
 from deepfleet.engine.zero.fsdp_collectives import RingReduceScatter
 from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
 
@@ -65,7 +65,7 @@ class FSDPStrategy:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        units = blocks(model)
+        units = shard_units(model)  # transformer blocks; a ZeRO-3 leaf module holding blocks replaces them
         for block in units:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -14,9 +14,10 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 MAPPED = {"engine", "kernels", "worker", "controller", "migrations"}
-# The engine's __init__ is the public DeepSpeed-shaped entry point (`deepfleet.engine.initialize`);
-# it may hold only a lazy export table (PEP 562 __getattr__), nothing that runs at import.
-LAZY_EXPORT_INITS = {Path("engine/__init__.py")}
+# The engine's __init__ is the public DeepSpeed-shaped entry point (`deepfleet.engine.initialize`), and
+# `deepspeed.utils` / `deepspeed.zero` are packages whose names scripts import; these may hold only a
+# lazy export table (PEP 562 __getattr__), nothing that runs at import.
+LAZY_EXPORT_INITS = {Path("engine/__init__.py"), Path("engine/utils/__init__.py"), Path("engine/zero/__init__.py")}
 
 
 def _pyproject() -> dict:

@@ -40,8 +40,9 @@ BROKEN = [
         "zero_optimization.reduce_bucket_sise: unknown key; did you mean zero_optimization.reduce_bucket_size? "
         "remove or rename it",
     ]),
-    ("unsupported-optimizer", "c.json", {**BASE, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, [], [
-        "optimizer.type: 'OneBitAdam' is not supported yet; use one of Adam, AdamW, SGD, Adagrad, Lamb, Lion",
+    ("unsupported-optimizer", "c.json", {**BASE, "optimizer": {"type": "Muon", "params": {"lr": 1e-3}}}, [], [
+        "optimizer.type: 'Muon' is not supported yet; use one of Adam, AdamW, SGD, Adagrad, Lamb, Lion, "
+        "OneBitAdam, ZeroOneAdam, OneBitLamb",
     ]),
     ("negative-bucket", "c.json", {**BASE, "zero_optimization": {"stage": 1, "allgather_bucket_size": -5}}, [], [
         "zero_optimization.allgather_bucket_size: must be > 0, got -5; set a value > 0",
@@ -195,6 +196,16 @@ BERT_LAMB = {  # DeepSpeed's BERT pre-training recipe shape: LAMB, fp16, large b
                                              "max_coeff": 0.3, "min_coeff": 0.01}},
     "fp16": {"enabled": True, "loss_scale": 0, "min_loss_scale": 1},
 }
+LEGACY_OFFLOAD = {  # the older spellings 2020-2022 configs carry (Megatron-DeepSpeed, BingBertSquad)
+    "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {
+        "stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True, "elastic_checkpoint": True,
+        "stage3_module_granularity_threshold": 0},
+    "optimizer": {"type": "Adam", "params": {"lr": 3e-5, "bias_correction": False, "max_grad_norm": 1.0}},
+    "disable_allgather": True, "dataloader_drop_last": True, "data_types": {"grad_accum_dtype": "fp32"},
+    "bf16": {"enabled": True},
+}
+BOOLEAN_ZERO = {"train_batch_size": 16, "zero_optimization": False, "fp16": {"enabled": False},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 YAML_ONECYCLE = """\
 train_micro_batch_size_per_gpu: 16
 gradient_accumulation_steps: 1
@@ -234,6 +245,11 @@ REAL = [
       "optimizer.params.weight_decay": 0.01}),
     ("bert-lamb", "ds.json", BERT_LAMB, ["--world-size", "64"],
      {"gradient_accumulation_steps": 1, "optimizer.type": "Lamb"}),
+    ("legacy-cpu-offload-keys", "ds.json", LEGACY_OFFLOAD, ["--world-size", "8"],
+     {"zero_optimization.offload_optimizer.device": "cpu", "zero_optimization.offload_optimizer.pin_memory": True,
+      "gradient_clipping": 1.0, "optimizer.params.bias_correction": False}),
+    ("boolean-zero-optimization", "ds.json", BOOLEAN_ZERO, ["--world-size", "2"],
+     {"zero_optimization.stage": 0, "gradient_accumulation_steps": 1}),
     ("yaml-onecycle-sgd", "ds.yaml", YAML_ONECYCLE, [],
      {"optimizer.type": "SGD", "zero_optimization.reduce_bucket_size": 500_000_000, "bf16.enabled": False}),
 ]

@@ -299,10 +299,11 @@ def test_optimizer_and_scheduler_sections() -> None:
     ]
     assert _errors({"train_batch_size": 1, "optimizer": {"type": "Adamm"}}) == [
         "optimizer.type: unknown optimizer 'Adamm'; did you mean 'Adam'? use one of Adam, AdamW, SGD, Adagrad, Lamb, "
-        "Lion"
+        "Lion, OneBitAdam, ZeroOneAdam, OneBitLamb"
     ]
-    assert _errors({"train_batch_size": 1, "optimizer": {"type": "adam", "params": {"max_grad_norm": 1.0}}}) == [
-        "optimizer.params.max_grad_norm: not supported yet; use the top-level gradient_clipping instead"
+    assert _errors({"train_batch_size": 1, "gradient_clipping": 2.0,
+                    "optimizer": {"type": "adam", "params": {"max_grad_norm": 1.0}}}) == [
+        "optimizer.params.max_grad_norm: 1.0 contradicts gradient_clipping: 2.0; keep only gradient_clipping"
     ]
 
 

@@ -1,0 +1,148 @@
+"""The members of DeepSpeed's engine that real scripts and integrations call, beyond the training
+protocol (`DeepSpeedEngineMembers`, a mixin of `DeepFleetEngine`): ranks and device, precision and
+ZeRO queries, `was_step_applied`, `set_gradient_accumulation_boundary`, `tput_timer`, `monitor`, and
+attribute fall-through to the wrapped model (DeepSpeed's engine forwards unknown attributes to
+`self.module`, so `engine.config_class` or `engine.generate(...)` reach the model)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from deepfleet.engine import comm
+
+
+class ThroughputTimer:
+    """`engine.tput_timer`: samples per second over the optimizer steps seen so far (DeepSpeed's
+    `avg_samples_per_sec()`), fed by the engine's step records."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self._last: float | None = None
+
+    def step_done(self, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        if self._last is not None:
+            self.total_elapsed_time += now - self._last
+            self.global_step_count += 1
+        self._last = now
+
+    def avg_samples_per_sec(self) -> float:
+        if self.global_step_count == 0 or self.total_elapsed_time <= 0:
+            return 0.0
+        return self.batch_size * self.global_step_count / self.total_elapsed_time
+
+
+class _MonitorView:
+    """`engine.monitor`: DeepSpeed's `MonitorMaster` surface (`enabled`, `write_events`) over the
+    engine's monitor sinks (TensorBoard, W&B, CSV, Comet, MLflow)."""
+
+    def __init__(self, sinks: list[Any]) -> None:
+        # monitors run behind `Guarded` sinks (engine/monitor/base.py), on rank 0 only
+        self._guarded = [s for s in sinks if hasattr(getattr(s, "monitor", None), "write_events")]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._guarded)
+
+    def write_events(self, event_list: list[tuple[str, float, int]]) -> None:
+        """Write `(name, value, step)` events to every enabled monitor, now; a failing monitor is logged,
+        never raised (as for the engine's own metrics)."""
+        events = [(str(n), float(v), int(s)) for n, v, s in event_list]
+        for sink in self._guarded:
+            sink.flush()  # the engine's queued records first, so files stay in step order
+            sink._guard(lambda sink=sink: sink.monitor.write_events(events))
+
+
+class DeepSpeedEngineMembers:
+    """Mixed into `DeepFleetEngine`; reads the engine's `config`, `parallel`, `precision`, `module`."""
+
+    _step_applied = False
+    _forced_boundary: bool | None = None
+
+    @property
+    def local_rank(self) -> int:
+        import os
+
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return comm.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel size (what DeepSpeed's `engine.world_size` means: the batch is split over it)."""
+        return self.parallel.dp_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.parallel.dp_size
+
+    @property
+    def device(self) -> torch.device:
+        from deepfleet.engine.dist import training_device
+
+        return training_device()
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    def zero_offload_optimizer(self) -> bool:
+        offload = getattr(self.config.zero_optimization, "offload_optimizer", None)
+        return offload is not None and getattr(offload, "device", "none") not in (None, "none")
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` updated the weights (False off the boundary and on fp16 overflow)."""
+        return self._step_applied
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force the next micro-steps to be (or not be) the accumulation boundary, regardless of the
+        micro-step count (DeepSpeed's manual override, used by pipeline-style loops)."""
+        self._forced_boundary = bool(is_boundary)
+
+    def get_global_step(self) -> int:
+        return self.global_steps
+
+    @property
+    def tput_timer(self) -> ThroughputTimer:
+        timer = self.__dict__.get("_tput_timer")
+        if timer is None:
+            timer = ThroughputTimer(self.config.train_batch_size)
+            self.__dict__["_tput_timer"] = timer
+        return timer
+
+    @property
+    def monitor(self) -> _MonitorView:
+        return _MonitorView(self.sinks)
+
+    def __getattr__(self, name: str) -> Any:
+        # nn.Module.__getattr__ finds parameters, buffers and submodules; then the wrapped model's attributes
+        try:
+            return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name.startswith("__") or name == "module":
+                raise
+            modules = self.__dict__.get("_modules", {})
+            if "module" in modules:
+                return getattr(modules["module"], name)
+            raise

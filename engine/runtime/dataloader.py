@@ -1,0 +1,3 @@
+"""`deepspeed.runtime.dataloader`'s path under deepfleet."""
+
+from deepfleet.engine.compat.loader import RepeatingLoader  # noqa: F401 - DeepSpeed's path
