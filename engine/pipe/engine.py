@@ -18,8 +18,7 @@ is agreed over the pipeline; the global gradient norm sums every stage's squares
 
 What composes, measured here: ZeRO 0, 1, 2 with GPipe, 1F1B, Interleaved1F1B; ZeRO 0 and 1 with the
 split-backward schedules (InterleavedZeroBubble, ZBV, DualPipeV), whose weight gradients accumulate
-outside autograd's hooks, which ZeRO-2's gradient partitioning needs; ZeRO 0 with several chunks per
-rank only at dp 1 (torch's stage drives DDP only when the DDP module is the stage's module).
+outside autograd's hooks, which ZeRO-2's gradient partitioning needs.
 ZeRO-3 with pipelining is refused: the stage's chunks would run outside the FSDP root's unshard hooks.
 """
 
@@ -42,6 +41,7 @@ from deepfleet.engine.dataloader import build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.engine import DeepFleetEngine, _config_and_degrees
 from deepfleet.engine.pipe.schedule import SPLIT_BACKWARD, build_schedule, build_stages
+from deepfleet.engine.pipe.state import StageState
 from deepfleet.engine.pipe.tied import TiedWeights
 from deepfleet.engine.zero.gradients import clip_to_norm_, global_norm
 
@@ -61,9 +61,13 @@ class PipelineEngine(DeepFleetEngine):
         self._holds_last = any(c.part == num_parts - 1 for c in chunks)
         # the pp-group rank that holds the last part (computes the loss)
         self._last_rank = model.num_stages - 1 if model.layout == "loop" else 0
-        # one chunk: the strategy's module (DDP at stage 0, which torch's stage drives; the model itself
-        # at stages 1/2, whose forward runs its one chunk); several: the chunks themselves
-        subs = [(self.sharding.module, chunks[0].part)] if len(chunks) == 1 else [(c, c.part) for c in chunks]
+        # The stages run this rank's chunks themselves, never a DDP wrapper: torch's stage drives DDP only
+        # as the stage's own module, and DDP's bucket rebuild fails on torch 2.13 when one step runs
+        # several backward passes (GPipe: "rebuilt parameter indices size is not same as original model
+        # parameters size"). So at ZeRO stage 0 the gradients are averaged here, in one flat all-reduce
+        # (`_average_replicated_grads`); stages 1/2 reduce through their own gradient hooks and buffers.
+        subs = [(c, c.part) for c in chunks]
+        self._average_here = self.config.zero_optimization.stage == 0 and self.parallel.dp_size > 1
         self._stages = build_stages(subs, num_parts=num_parts, device=training_device(), group=self._pp_group)
         self._schedule = build_schedule(
             schedule_name, self._stages, micro_batches=self.config.gradient_accumulation_steps, loss_fn=self._loss
@@ -74,6 +78,8 @@ class PipelineEngine(DeepFleetEngine):
         self._opt_tensor_of = {id(p): t for p, t in zip(tied_params, mapped, strict=True)}
         self._not_counted = {id(self._opt_tensor_of[i]) for i in tied.non_owned()}
         self._data_iterator: Iterator | None = None
+        # checkpoints see the whole pipeline's optimizer groups (engine/checkpoint/ reads engine.sharding)
+        self.sharding = StageState(self.sharding, module=model, pp_group=self._pp_group)
 
     # --- DeepSpeed's pipeline API ---------------------------------------------------------------
 
@@ -193,7 +199,18 @@ class PipelineEngine(DeepFleetEngine):
         comm.broadcast(value, group=self._pp_group, group_src=self._last_rank)
         return value.reshape(())
 
+    def _average_replicated_grads(self) -> None:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        comm.all_reduce(flat, op=comm.ReduceOp.AVG, group=self.parallel.grad_group)
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(reduced)
+
     def _finish_gradients(self) -> bool:
+        if self._average_here:
+            self._average_replicated_grads()
         overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
         self.tied.allreduce_grads({i: t.grad for i, t in self._opt_tensor_of.items()})
         flag = torch.tensor([1.0 if overflow else 0.0])
@@ -250,7 +267,7 @@ def _schedule_name(cfg: Any, model: Any) -> str:
     return name
 
 
-def _check_composition(cfg: Any, *, name: str, chunks: int, dp_size: int) -> None:
+def _check_composition(cfg: Any, *, name: str) -> None:
     stage = cfg.zero_optimization.stage
     if stage == 3:
         raise ConfigError(["zero_optimization.stage: 3 with pipeline parallelism is not supported; use stage <= 2 "
@@ -258,9 +275,6 @@ def _check_composition(cfg: Any, *, name: str, chunks: int, dp_size: int) -> Non
     if stage == 2 and name in SPLIT_BACKWARD:
         raise ConfigError([f"zero_optimization.stage: 2 with pipeline.schedule {name} is not supported (its weight "
                            "gradients bypass ZeRO-2's gradient hooks); use stage 1 or a schedule without split backward"])
-    if stage == 0 and chunks > 1 and dp_size > 1:
-        raise ConfigError([f"zero_optimization.stage: 0 with {chunks} chunks per rank at data-parallel size "
-                           f"{dp_size} is not supported; use stage 1 (same memory for parameters and gradients)"])
 
 
 def initialize_pipeline(
@@ -272,7 +286,7 @@ def initialize_pipeline(
     world_size, rank = comm.get_world_size(), comm.get_rank()
     cfg, parallel = _config_and_degrees(_pipeline_source(source, model), world_size=world_size)
     name = _schedule_name(cfg, model)
-    _check_composition(cfg, name=name, chunks=model.chunks_per_rank, dp_size=parallel.dp_size)
+    _check_composition(cfg, name=name)
     if cfg.pipeline.activation_checkpoint_interval:
         for chunk in model.stage_chunks:
             chunk._ac_interval = cfg.pipeline.activation_checkpoint_interval

@@ -188,12 +188,6 @@ class PipelineModule(nn.Module):
         if chunks < 1:
             raise ValueError(f"virtual_stages: must be a positive integer, got {chunks}")
         self.chunks_per_rank = chunks
-        world, rank = (comm.get_world_size(), comm.get_rank()) if comm.is_initialized() else (1, 0)
-        if world % num_stages:
-            raise ValueError(
-                f"num_stages: {num_stages} does not divide the world size {world}; use a divisor of {world}"
-            )
-        self.stage_id = rank // (world // num_stages)
         self._specs = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         names = [_layer_name(layer) for layer in self._specs]
         num_parts = num_stages * chunks
@@ -202,6 +196,12 @@ class PipelineModule(nn.Module):
             times=lambda: self._measure_times(profile_input),
         )
         self.parts = partition(len(self._specs), num_parts, weights)  # part p = layers [parts[p], parts[p+1])
+        world, rank = (comm.get_world_size(), comm.get_rank()) if comm.is_initialized() else (1, 0)
+        if world % num_stages:
+            raise ValueError(
+                f"num_stages: {num_stages} does not divide the world size {world}; use a divisor of {world}"
+            )
+        self.stage_id = rank // (world // num_stages)
         self.local_parts = chunk_parts(self.stage_id, num_stages=num_stages, chunks=chunks, layout=self.layout)
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
