@@ -472,7 +472,9 @@ def load_config(
     _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
     _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)
     check_keys(data, DeepFleetConfig, path="", errors=errors)
-    fill = {**(_hf_bucket_sizes(hidden_size) if hidden_size else {}), **dict(auto_values or {})}
+    # "pipeline.stages": "auto" is DeepSpeed's default: the PipelineModule's num_stages (engine/pipe/).
+    fill = {"pipeline.stages": None, **(_hf_bucket_sizes(hidden_size) if hidden_size else {}),
+            **dict(auto_values or {})}
     auto_batch: set[str] = set()
     _drop_auto_out_of_stage(data)
     _resolve_auto(data, path="", fill=fill, auto_batch=auto_batch, errors=errors)

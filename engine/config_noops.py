@@ -28,6 +28,13 @@ NO_OPS: dict[str, NoOp] = {
         "DeepSpeed's dtype for reducing gradients over the data- and sequence-parallel ranks; every strategy "
         "here reduces gradients in fp32 over that group, which is at least as accurate at every value."
     ),
+    # pipeline parallelism (engine/pipe/)
+    "pipeline.pipe_partitioned": NoOp(
+        "DeepSpeed splits the activations sent between pipeline stages over its tensor-parallel ranks; the pipeline engine runs without tensor parallelism, where the split is the whole tensor."
+    ),
+    "pipeline.grad_partitioned": NoOp(
+        "DeepSpeed splits the gradients sent between pipeline stages over its tensor-parallel ranks; the pipeline engine runs without tensor parallelism, where the split is the whole tensor."
+    ),
     # zero_optimization, stages 1/2: our own partitioning (zero/partitioned.py)
     "zero_optimization.contiguous_gradients": NoOp(
         "Stages 1/2 always pack gradients into flat bucket buffers (contiguous by construction); stage 3 "

@@ -36,8 +36,8 @@ SCHEDULE_CHUNKS: dict[str, tuple[int | None, str]] = {
 class PipelineConfig(ConfigSection):
     """`pipeline`: pipeline-parallel training of a `PipelineModule` (engine/pipe/)."""
 
-    stages: Int | Literal["auto"] | None = Field("auto")
-    """Pipeline stages (the `pp` degree); "auto" takes `PipelineModule(num_stages=...)`."""
+    stages: Int | Literal["auto"] | None = None
+    """Pipeline stages (the `pp` degree); "auto" or None takes `PipelineModule(num_stages=...)`."""
     partition: str = "best"
     """DeepSpeed's key; the partitioning is the module's `partition_method`."""
     seed_layers: Bool = False
