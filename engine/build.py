@@ -25,6 +25,8 @@ from torch import nn
 
 from deepfleet.engine import comm
 from deepfleet.engine.metrics import StepSink, sinks_from_env
+from deepfleet.engine.moe.balance import bias_balancers
+from deepfleet.engine.moe.utils import place_expert_param_groups
 from deepfleet.engine.precision import Precision, build_precision
 from deepfleet.engine.profiling.step_flops import StepFlops
 from deepfleet.engine.progress import ProgressLog
@@ -50,6 +52,7 @@ class Training:
     sinks: list[StepSink] = field(default_factory=list)  # called in order with every step's StepMetrics
     compression: Any = None  # a CompressionScheduler (stepped with the engine, checkpointed), or None
     flops: Any = None  # StepFlops (FLOPs, MFU, HFU per step; engine/profiling/step_flops.py), or None
+    comm_policy: Any = None  # GradientCompression (engine/gradcomp/policy.py), or None
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -86,6 +89,9 @@ def build_training(
     # 2. Param groups are read before sharding: stage 3 replaces the parameters with DTensor shards
     #    and the strategy maps the user's groups onto them by identity.
     groups = _param_groups(model, model_parameters, optimizer)
+    #    Expert parameters bound to an ep mesh move to groups of their own that name the
+    #    expert-data-parallel group they reduce over (moe/utils.py); every strategy reads that key.
+    groups = place_expert_param_groups(groups)
 
     # 3. The sharding strategy wraps the model (DDP, our partitioning, or FSDP2).
     sharding = strategy_class(config.zero_optimization.stage)(
@@ -109,8 +115,23 @@ def build_training(
     # 7. The FLOPs profiler counts the wrapped model (what forward runs) and needs the compute dtype for
     #    the peak; it fills in each step's flops/MFU before the sinks see the record.
     flops = StepFlops.build(model, config, rank=comm.get_rank(), dtype=precision.compute_dtype)
-    return Training(precision, sharding, opt, scheduler, sinks=step_sinks(config), compression=compression,
-                    flops=flops)
+    # 8. The gradient compression policy is installed in engine/comm.py (or cleared, so an earlier engine's
+    #    does not leak into this one); the strategies' gradient reductions go through it from the first step.
+    comm_policy = _comm_policy(config)
+    comm.set_gradient_policy(comm_policy)
+    # 9. MoE gates with auxiliary-loss-free balancing update their biases at each step boundary.
+    sinks = [*bias_balancers(model, process_group=process_group), *step_sinks(config)]
+    return Training(precision, sharding, opt, scheduler, sinks=sinks, compression=compression,
+                    flops=flops, comm_policy=comm_policy)
+
+
+def _comm_policy(config: Any) -> Any:
+    section = getattr(config, "communication", None)
+    if section is None or section.compression == "none":
+        return None
+    from deepfleet.engine.gradcomp.policy import GradientCompression
+
+    return GradientCompression(section)
 
 
 def step_sinks(config: Any) -> list[StepSink]:
@@ -202,6 +223,11 @@ def _optimizer(given: Any, groups: list[dict], config: Any) -> torch.optim.Optim
     if isinstance(given, torch.optim.Optimizer):
         # Re-point the user's own optimizer at the strategy's tensors, so any scheduler the user
         # built on it keeps driving the same param-group dicts.
+        if len(given.param_groups) != len(groups):
+            raise ValueError(
+                "optimizer: its param groups mix expert and dense parameters; build it over "
+                "deepfleet.engine.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)"
+            )
         for group, mapped in zip(given.param_groups, groups, strict=True):
             group["params"] = list(mapped["params"])
         return given

@@ -4,7 +4,10 @@ of `deepspeed.comm` for user scripts (`import deepfleet.engine.comm as dist`).
 Callers: the ZeRO strategies, precision (overflow agreement), the data loader, checkpointing, the
 step metrics (communication bytes per step) and user scripts. Nothing in the engine calls a
 `torch.distributed` collective directly; process-group construction stays in `engine/dist.py` and
-`engine/parallel.py`. This is also the seam where communication compression plugs in later.
+`engine/parallel.py`. This is also the seam where communication compression plugs in: the strategies
+reduce flat gradient buffers through `all_reduce_gradients` / `reduce_scatter_gradients`, which hand
+them to the policy `set_gradient_policy` installed (`engine/gradcomp/policy.py`, built from the
+`communication` section), or reduce them plainly when there is none or it declines.
 
 Why our own module rather than torch's `CommDebugMode` or the profiler: those are debugging modes
 that intercept every dispatch (or record a trace); the engine needs always-on, near-free counters it
@@ -44,6 +47,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_gradients",
     "all_to_all_single",
     "barrier",
     "broadcast",
@@ -63,10 +67,12 @@ __all__ = [
     "new_group",
     "recv",
     "reduce",
+    "reduce_scatter_gradients",
     "reduce_scatter_tensor",
     "reset_counters",
     "scatter",
     "send",
+    "set_gradient_policy",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -261,6 +267,38 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op: bool = Fa
     sent = sum(_nbytes(t) for t in scatter_list) if scatter_list else 0
     return _run(log_name, sent, dist.scatter, tensor, scatter_list=scatter_list, src=src, group=group,
                 group_src=group_src, async_op=async_op)
+
+
+# -- gradient reductions (where a compression policy plugs in) -------------------------------------
+
+# The process's gradient compression policy (one engine per process trains; build.py sets or clears it).
+_GRADIENT_POLICY: list = [None]
+
+
+def set_gradient_policy(policy) -> None:  # noqa: ANN001 - duck-typed: all_reduce/reduce_scatter(...) -> Work|None
+    """Install (or with None remove) the policy that compresses gradient reductions."""
+    _GRADIENT_POLICY[0] = policy
+
+
+def all_reduce_gradients(tensor, group=None, async_op: bool = False):
+    """SUM-all-reduce a flat gradient buffer: through the installed compression policy when it takes it,
+    else a plain (counted) `all_reduce`. Returns a Work with `async_op`."""
+    policy = _GRADIENT_POLICY[0]
+    if policy is not None:
+        work = policy.all_reduce(tensor, group=group)
+        if work is not None:
+            return work if async_op else None
+    return all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def reduce_scatter_gradients(output_tensor, tensor, group=None, async_op: bool = False):
+    """SUM-reduce-scatter a flat gradient buffer, compressed when the installed policy takes it."""
+    policy = _GRADIENT_POLICY[0]
+    if policy is not None:
+        work = policy.reduce_scatter(output_tensor, tensor, group=group)
+        if work is not None:
+            return work if async_op else None
+    return reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=group, async_op=async_op)
 
 
 # -- point to point ------------------------------------------------------------------------------

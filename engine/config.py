@@ -39,8 +39,10 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
+from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
     CometConfig,
     CommsLoggerConfig,
@@ -134,6 +136,8 @@ class DeepFleetConfig(ConfigSection):
     """Print the resolved config at initialization."""
     compression_training: CompressionConfig | None = None
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    """deepfleet's own: compression of the gradient reduction and its guard (engine/gradcomp/)."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline parallelism of a PipelineModule (engine/pipe/): stages, schedule, activation checkpointing."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
@@ -156,6 +160,8 @@ class DeepFleetConfig(ConfigSection):
     """Ulysses sequence parallelism: ranks that split each sequence (the mesh's `sp` axis, engine/attention/)."""
     seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
     """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts shape and expert-parallel degree (deepfleet's own section; engine/moe/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
@@ -166,6 +172,7 @@ class DeepFleetConfig(ConfigSection):
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
+        problems += stage_problem(self.communication, self.zero_optimization.stage)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -173,6 +180,18 @@ class DeepFleetConfig(ConfigSection):
     def to_dict(self) -> dict[str, Any]:
         """The normalized config as plain JSON-compatible data (every default filled in)."""
         return self.model_dump(mode="json")
+
+    # DeepSpeed's `engine.config` is the config dict; integrations read it so
+    # (`engine.config.get("zero_optimization", {}).get("stage")` in HF's Trainer). Read-only views of
+    # `to_dict()`; the typed attributes stay the engine's own interface.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()
 
 
 def _precision_conflicts(*, fp16: Any, bf16: Any) -> list[str]:
@@ -269,6 +288,8 @@ def _legacy_forms(data: dict, errors: list[str]) -> None:
     `zero_optimization: true|false` (stage 1 | 0), `zero_optimization.cpu_offload`/`cpu_offload_param`/
     `cpu_offload_use_pin_memory` (the `offload_*` sections) and `optimizer.params.max_grad_norm` (the
     top-level `gradient_clipping`). A legacy key that contradicts its current form is an error."""
+    if data.get("steps_per_print") == float("inf"):  # what Accelerate writes for "never" (DeepSpeed accepts it)
+        data["steps_per_print"] = None
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
         data["zero_optimization"] = zero = {"stage": 1 if zero else 0}

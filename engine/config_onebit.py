@@ -7,8 +7,8 @@ into the optimizers of `engine/onebit/`. Torch-free.
 - `cuda_aware` and `comm_backend_name` choose DeepSpeed's MPI/NCCL/HCCL transport; here every collective
   goes through `engine/comm.py` on the data-parallel group's backend, so any of DeepSpeed's values is
   accepted and changes nothing.
-- `amsgrad: true` is refused (DeepSpeed refuses it too); `max_grad_norm` is refused by `config_keys`
-  (use the top-level `gradient_clipping`).
+- `amsgrad: true` is refused (DeepSpeed refuses it too); `max_grad_norm` becomes the top-level
+  `gradient_clipping` (config.py), as for every optimizer.
 - These optimizers reduce the gradients themselves, which the ZeRO stage-0 strategy supports; at stages
   1-3 (DeepSpeed refuses them there too) the `communication` section compresses the gradient
   reduction instead (`one_bit_stage_problem`).

@@ -34,6 +34,7 @@ from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
+from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_size
 from deepfleet.engine.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self._grad_norm: float | None = None
         self.sinks: list[StepSink] = list(training.sinks)  # called with each step's StepMetrics, in order
         self.flops = training.flops  # StepFlops (engine/profiling/step_flops.py) or None
+        self.comm_policy = training.comm_policy  # gradient compression (engine/gradcomp/policy.py) or None
         # end-of-training summaries and monitor files: at destroy(), or when the engine is collected or
         # the interpreter exits, whichever comes first (the finalizer runs once)
         self._close_sinks = weakref.finalize(self, close_sinks, self.sinks)
@@ -147,6 +149,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         )
         if self.flops is not None:
             metrics = dataclasses.replace(metrics, **self.flops.figures(metrics))
+        if self.comm_policy is not None:  # its guard's figures (and, past a threshold, its fallback)
+            metrics = dataclasses.replace(metrics, **self.comm_policy.end_step(metrics.loss))
         for sink in self.sinks:
             sink(metrics)
 
@@ -316,13 +320,14 @@ def initialize(
     source = _config_source(args, config, config_params)
     ensure_process_group()
     world_size, rank = comm.get_world_size(), comm.get_rank()
-    cfg, parallel = _config_and_degrees(source, world_size=world_size)
+    cfg, parallel = _config_and_degrees(source, world_size=world_size, model=model)
     if cfg.dump_state and rank == 0:
         logger.info("engine config: %s", json.dumps(cfg.to_dict(), sort_keys=True))
 
     device = training_device()
     parallel.build_mesh(device.type)
     model.to(device)
+    bind_expert_parallel(model, parallel)  # MoE layers get their ep group before any strategy wraps them
     training = build_training(
         model,
         cfg,
@@ -357,7 +362,7 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelDims]:
+def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None = None) -> tuple[Any, ParallelDims]:
     """The resolved config and the parallelism degrees it asks for, over `world_size` ranks.
 
     The degrees come from config sections, and the batch arithmetic needs the data-parallel size they
@@ -370,7 +375,10 @@ def _config_and_degrees(source: Any, *, world_size: int) -> tuple[Any, ParallelD
     else:
         cfg = load_config(source, world_size=world_size, dp_size=_raw_dp_size(source, world_size=world_size))
     try:
-        parallel = ParallelDims.from_config(cfg, world_size=world_size)
+        # the model's MoE layers name their expert-parallel degree (DeepSpeed scripts set it only there)
+        ep = model_ep_size(model, cfg.moe.ep_size if cfg.moe is not None else None) if model is not None else None
+        from_model = {"ep": (ep, "MoE(ep_size=...)")} if ep is not None else None
+        parallel = ParallelDims.from_config(cfg, world_size=world_size, model_degrees=from_model)
     except ValueError as e:
         from deepfleet.engine.config import ConfigError
 

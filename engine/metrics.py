@@ -80,6 +80,13 @@ class StepMetrics:
     """Model FLOPs utilization: `flops` / (elapsed_s x this rank's peak FLOP/s); None when unknown."""
     hfu: float | None = None
     """Hardware FLOPs utilization: as `mfu`, counting activation recomputation too."""
+    comm_compressed: bool | None = None
+    """Whether the gradient reductions are compressed (`communication` section; False after the guard fell
+    back); None without a compression policy."""
+    comm_compression_error: float | None = None
+    """On guard steps: the largest ||compressed - exact|| / ||exact|| over the step's reductions."""
+    comm_loss_delta: float | None = None
+    """On guard steps: the relative change of the rank-averaged loss since the previous guard step."""
 
 
 @runtime_checkable

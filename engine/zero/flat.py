@@ -149,5 +149,5 @@ def reduce_grads_in_place(
                 views.append((m.index, view))
                 offset += m.numel
             staged(flat)
-            work = comm.all_reduce(flat, op=comm.ReduceOp.SUM, group=run.group, async_op=async_op)
+            work = comm.all_reduce_gradients(flat, group=run.group, async_op=async_op)
             yield GradChunk(work if async_op else None, flat, views)

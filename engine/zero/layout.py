@@ -275,11 +275,11 @@ def reduce_scatter(
     assert flat.numel() == bucket.flat_numel and segment.numel() == bucket.segment_numel
     group = bucket.group
     if on_gloo(group):
-        work = comm.all_reduce(flat, op=comm.ReduceOp.SUM, group=group, async_op=async_op)
+        work = comm.all_reduce_gradients(flat, group=group, async_op=async_op)
         source, start = flat, bucket.rank * bucket.segment_numel
     else:
         out = torch.empty_like(segment) if accumulate else segment
-        work = comm.reduce_scatter_tensor(out, flat, op=comm.ReduceOp.SUM, group=group, async_op=async_op)
+        work = comm.reduce_scatter_gradients(out, flat, group=group, async_op=async_op)
         source, start = out, 0
     landing = Landing(
         work if async_op else None,

@@ -31,13 +31,14 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 }
 
 
-def config(name: str, params: dict | None = None) -> dict:
+def config(name: str, params: dict | None = None, **extra: object) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": name, "params": params if params is not None else OPTIMIZERS[name]},
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10**9,
+        **extra,
     }
 
 
@@ -49,12 +50,12 @@ def batches(world_size: int, steps: int) -> list[dict[str, torch.Tensor]]:
              for k in ("input_ids", "labels")} for s in range(steps)]
 
 
-def make_engine(name: str, params: dict | None = None) -> Any:
+def make_engine(name: str, params: dict | None = None, **extra: object) -> Any:
     import deepfleet.engine as deepfleet
 
     torch.manual_seed(0)
     model = GPTWithLoss(MODEL)
-    engine, *_ = deepfleet.initialize(model=model, model_parameters=model.parameters(), config=config(name, params))
+    engine, *_ = deepfleet.initialize(model=model, model_parameters=model.parameters(), config=config(name, params, **extra))
     return engine
 
 
@@ -77,7 +78,8 @@ def train(engine: Any, data: list[dict], *, rank: int, world_size: int) -> dict[
         losses.append(float(mean) / world_size)
     engine.sinks.remove(metrics.append)
     del comm
-    return {"loss": losses, "bytes": [m.comm_bytes for m in metrics], "seconds": seconds}
+    return {"loss": losses, "bytes": [m.comm_bytes for m in metrics], "seconds": seconds,
+            "guard": [(m.comm_compressed, m.comm_compression_error, m.comm_loss_delta) for m in metrics]}
 
 
 def _all(rank: int, world_size: int, steps: int, names: tuple[str, ...]) -> dict:

@@ -43,8 +43,6 @@ def test_bad_one_bit_configs_name_the_key() -> None:
         {"type": "OneBitAdam", "params": {"amsgrad": True}})
     assert "optimizer.params.freeze_step: must be >= 0" in _error({"type": "OneBitAdam", "params": {"freeze_step": -1}})
     assert "factor_min: 5.0 > factor_max 4.0" in _error({"type": "OneBitLamb", "params": {"factor_min": 5.0}})
-    assert "optimizer.params.max_grad_norm: not supported yet; use the top-level gradient_clipping" in _error(
-        {"type": "ZeroOneAdam", "params": {"max_grad_norm": 1.0}})
     assert "optimizer.type: OneBitAdam reduces gradients itself and needs zero_optimization.stage 0 (got 2)" in _error(
         {"type": "OneBitAdam"}, stage=2)
 
