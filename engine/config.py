@@ -39,6 +39,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
 from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_keys import check_keys
@@ -154,6 +155,10 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """`torch.compile` of the wrapped model (engine/config_checkpoint.py)."""
     sparse_attention: SparseAttentionConfig | None = None
     """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
     sequence_parallel_size: Int = Field(1, gt=0)

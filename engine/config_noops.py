@@ -23,6 +23,17 @@ class NoOp:
 
 
 NO_OPS: dict[str, NoOp] = {
+    # checkpoint section (engine/config_checkpoint.py)
+    "checkpoint.load_universal": NoOp(
+        "DeepSpeed's switch to load a topology-independent checkpoint; every checkpoint here is one (DCP with "
+        "global shapes), so both values load the same way."
+    ),
+    "checkpoint.use_node_local_storage": NoOp(
+        "Only false is accepted (its validator refuses true): shards always go to the one directory given."
+    ),
+    "checkpoint.parallel_write.pipeline_stage": NoOp(
+        "How DeepSpeed spreads pipeline stages' writes; every rank writes its own shard files here."
+    ),
     # sequence parallelism (engine/attention/)
     "seq_parallel_communication_data_type": NoOp(
         "DeepSpeed's dtype for reducing gradients over the data- and sequence-parallel ranks; every strategy "

@@ -346,6 +346,8 @@ def initialize(
             seed=cfg.seed,
             collate_fn=collate_fn,
         )
+    if cfg.compile.enabled:  # after the strategy has wrapped it, so the compiled graph holds its hooks
+        training.sharding.module.compile(backend=cfg.compile.backend, **cfg.compile.kwargs)
     engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
     compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
     compat_zero.register_module(model)    # deepspeed.zero.GatheredParameters finds its shards' owners
