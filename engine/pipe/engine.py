@@ -40,6 +40,7 @@ from deepfleet.engine.config_source import read_source
 from deepfleet.engine.dataloader import build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.engine import DeepFleetEngine, _config_and_degrees
+from deepfleet.engine.pipe.replicated import ReplicatedStrategy
 from deepfleet.engine.pipe.schedule import SPLIT_BACKWARD, build_schedule, build_stages
 from deepfleet.engine.pipe.state import StageState
 from deepfleet.engine.pipe.tied import TiedWeights
@@ -61,13 +62,8 @@ class PipelineEngine(DeepFleetEngine):
         self._holds_last = any(c.part == num_parts - 1 for c in chunks)
         # the pp-group rank that holds the last part (computes the loss)
         self._last_rank = model.num_stages - 1 if model.layout == "loop" else 0
-        # The stages run this rank's chunks themselves, never a DDP wrapper: torch's stage drives DDP only
-        # as the stage's own module, and DDP's bucket rebuild fails on torch 2.13 when one step runs
-        # several backward passes (GPipe: "rebuilt parameter indices size is not same as original model
-        # parameters size"). So at ZeRO stage 0 the gradients are averaged here, in one flat all-reduce
-        # (`_average_replicated_grads`); stages 1/2 reduce through their own gradient hooks and buffers.
+        # The stages run this rank's chunks themselves (stage 0 is replicated.py's strategy, not DDP).
         subs = [(c, c.part) for c in chunks]
-        self._average_here = self.config.zero_optimization.stage == 0 and self.parallel.dp_size > 1
         self._stages = build_stages(subs, num_parts=num_parts, device=training_device(), group=self._pp_group)
         self._schedule = build_schedule(
             schedule_name, self._stages, micro_batches=self.config.gradient_accumulation_steps, loss_fn=self._loss
@@ -120,6 +116,11 @@ class PipelineEngine(DeepFleetEngine):
         (with `return_logits`, `(loss, outputs)`, the outputs on the last stage and None elsewhere)."""
         if num_micro_batches not in (None, self.config.gradient_accumulation_steps):
             raise ValueError("num_micro_batches: only gradient_accumulation_steps micro-batches are supported")
+        if self.module.layout == "v":
+            raise ValueError(
+                f"eval_batch: pipeline.schedule {self.schedule_name} (V layout) has no forward-only mode in torch "
+                "2.13's pipelining; evaluate with a module laid out for 1F1B, GPipe or Interleaved1F1B"
+            )
         if reduce_output not in ("avg", None):
             raise ValueError(f"reduce_output: {reduce_output!r}; use 'avg' or None")
         self.module.eval()
@@ -199,18 +200,7 @@ class PipelineEngine(DeepFleetEngine):
         comm.broadcast(value, group=self._pp_group, group_src=self._last_rank)
         return value.reshape(())
 
-    def _average_replicated_grads(self) -> None:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch._utils._flatten_dense_tensors(grads)
-        comm.all_reduce(flat, op=comm.ReduceOp.AVG, group=self.parallel.grad_group)
-        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(reduced)
-
     def _finish_gradients(self) -> bool:
-        if self._average_here:
-            self._average_replicated_grads()
         overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
         self.tied.allreduce_grads({i: t.grad for i, t in self._opt_tensor_of.items()})
         flag = torch.tensor([1.0 if overflow else 0.0])
@@ -296,7 +286,8 @@ def initialize_pipeline(
     # Tied copies are made equal before the strategy takes its fp32 masters from them.
     tied = TiedWeights.build(model, mesh_ranks=parallel.mesh.mesh, rank=rank)
     training = build_training(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
-                              lr_scheduler=lr_scheduler, process_group=parallel.grad_group)
+                              lr_scheduler=lr_scheduler, process_group=parallel.grad_group,
+                              strategy=ReplicatedStrategy if cfg.zero_optimization.stage == 0 else None)
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,

@@ -77,6 +77,15 @@ def reference(steps: int, *, batch: int, lr: float = 0.1, clip: float = 0.0, tie
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def eval_reference(weights: dict[str, torch.Tensor], *, batch: int = 8) -> float:
+    """The loss of `weights` on `train`'s evaluation batch (seed 7), in one process."""
+    model = make_model(1)
+    model.load_state_dict(weights)
+    x, y = data(1, batch, seed=7)[0]
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(x), y))
+
+
 def config(*, micro: int, gas: int, stage: int = 0, schedule: str | None = None, clip: float = 0.0) -> dict:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
@@ -114,8 +123,15 @@ def train(rank: int, world_size: int, pp: int, schedule: str, stage: int, steps:
     dp = engine.parallel.dp_size
     losses = run_steps(engine, data(steps, micro * gas * dp), gas=gas)
     weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    x, y = data(1, micro * gas * dp, seed=7)[0]
+    evaluated: float | str
+    try:
+        evaluated = float(engine.eval_batch(iter(micro_batches((x, y), dp_rank=engine.parallel.dp_rank, dp_size=dp,
+                                                               gas=gas))))
+    except ValueError as e:  # V-layout schedules have no forward-only mode
+        evaluated = str(e)
     return {"losses": losses, "weights": weights, "first": engine.is_first_stage(), "last": engine.is_last_stage(),
-            "norm": engine.get_global_grad_norm()}
+            "norm": engine.get_global_grad_norm(), "eval": evaluated}
 
 
 def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:

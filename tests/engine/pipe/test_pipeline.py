@@ -28,21 +28,22 @@ def _check(results: list[dict], ref: tuple[list[float], dict]) -> None:
     assert seen == set(ref_weights)  # the stages together hold every parameter of the model
 
 
-CASES = [  # (schedule, ZeRO stage, gradient_clipping)
-    ("GPipe", 0, 0.0),
-    ("1F1B", 1, 0.0),
-    ("1F1B", 2, 0.2),
-    ("Interleaved1F1B", 2, 0.0),
-    ("InterleavedZeroBubble", 1, 0.0),
-    ("ZBV", 0, 0.2),
-    ("DualPipeV", 1, 0.0),
+CASES = [  # (schedule, ZeRO stage, gradient_clipping, PipelineModule kwargs)
+    ("GPipe", 0, 0.0, {}),
+    ("1F1B", 1, 0.0, {"activation_checkpoint_interval": 2}),  # checkpointed runs of 2 layers per stage
+    ("1F1B", 2, 0.2, {}),
+    ("Interleaved1F1B", 2, 0.0, {}),
+    ("InterleavedZeroBubble", 1, 0.0, {}),
+    ("ZBV", 0, 0.2, {}),
+    ("DualPipeV", 1, 0.0, {"partition_method": "parameters"}),
 ]
 
 
 def test_every_schedule_matches_one_process() -> None:
-    cases = [dict(pp=2, schedule=s, stage=z, steps=STEPS, micro=MICRO, gas=GAS, clip=c) for s, z, c in CASES]
+    cases = [dict(pp=2, schedule=s, stage=z, steps=STEPS, micro=MICRO, gas=GAS, clip=c, model_kwargs=k)
+             for s, z, c, k in CASES]
     per_rank = spawn(R.train_cases, 2, cases, timeout=240)
-    for i, (schedule, stage, clip) in enumerate(CASES):
+    for i, (schedule, stage, clip, _) in enumerate(CASES):
         results = [per_rank[r][i] for r in range(2)]
         _check(results, R.reference(STEPS, batch=MICRO * GAS, clip=clip))
         if clip:  # the norm before clipping is over every stage's gradients, the same on every rank
@@ -51,14 +52,19 @@ def test_every_schedule_matches_one_process() -> None:
         copies = [r["weights"]["tied_modules.proj.weight"] for r in results if "tied_modules.proj.weight" in r["weights"]]
         assert len(copies) == (1 if schedule in ("ZBV", "DualPipeV") else 2), (schedule, stage)
         assert all(torch.equal(c, copies[0]) for c in copies)
-        layout_first = [r["first"] for r in results]
-        assert layout_first == [True, False]
+        assert [r["first"] for r in results] == [True, False]
+        # eval_batch after training: the one-process forward loss of the final weights, on every rank
+        if schedule in ("ZBV", "DualPipeV"):
+            assert all(r["eval"].startswith(f"eval_batch: pipeline.schedule {schedule} (V layout)") for r in results)
+            continue
+        assert [r["eval"] for r in results] == pytest.approx([R.eval_reference(R.reference(STEPS, batch=MICRO * GAS,
+                                                                                          clip=clip)[1])] * 2, abs=TOL)
 
 
 @pytest.mark.slow
 def test_pp_times_dp_with_zero_matches_one_process() -> None:
     cases = [dict(pp=2, schedule=s, stage=z, steps=STEPS, micro=MICRO, gas=GAS) for s, z in
-             [("1F1B", 1), ("GPipe", 2), ("ZBV", 1)]]
+             [("1F1B", 1), ("GPipe", 2), ("ZBV", 1), ("Interleaved1F1B", 0)]]
     per_rank = spawn(R.train_cases, 4, cases, timeout=400)
     for i in range(len(cases)):
         _check([per_rank[r][i] for r in range(4)], R.reference(STEPS, batch=MICRO * GAS * 2))
@@ -128,3 +134,32 @@ def test_unsupported_pipelines_are_one_line_errors(changes: dict, message: str) 
     with pytest.raises(ConfigError) as e:
         initialize(model=R.make_model(1), config=cfg)
     assert len(e.value.errors) == 1 and e.value.errors[0].startswith(message)
+
+
+# --- partitioning ----------------------------------------------------------------------------------------
+
+def test_partition_methods() -> None:
+    from deepfleet.engine.pipe.partition import layer_weights, partition
+
+    assert partition(7, 3, None) == [0, 3, 5, 7]  # uniform: sizes differ by at most one
+    assert partition(6, 2, [10, 1, 1, 1, 1, 10]) == [0, 3, 6]  # balanced weights: 12 | 12
+    assert partition(4, 2, [100, 1, 1, 1]) == [0, 1, 4]  # the heavy layer alone
+    names = ["Embed", "Block", "Block", "Block", "Block", "Head"]
+    weights = layer_weights("type:^block$", names=names, param_counts=list, times=list)
+    assert weights == [0, 1, 1, 1, 1, 0] and partition(6, 2, weights) == [0, 3, 6]
+    with pytest.raises(ValueError, match="^partition_method: 'type:attn' matches none of the layer types"):
+        layer_weights("type:attn", names=names, param_counts=list, times=list)
+    with pytest.raises(ValueError, match="^partition_method: unknown method 'best'"):
+        layer_weights("best", names=names, param_counts=list, times=list)
+
+
+def test_partition_by_parameters_and_by_measured_time() -> None:
+    model = R.make_model(1, tied=False, partition_method="parameters")
+    assert model.parts == [0, 6]
+    by_params = R.PipelineModule(R.layers(tied=False), num_stages=1, partition_method="parameters")
+    assert by_params._count_params() == [128, 272, 272, 272, 272, 136]
+    profiled = R.PipelineModule(R.layers(tied=False), num_stages=1, partition_method="profile",
+                                profile_input=torch.randn(4, R.DIM))
+    assert profiled.parts == [0, 6]
+    with pytest.raises(ValueError, match="^profile_input: partition_method='profile' needs"):
+        R.PipelineModule(R.layers(tied=False), num_stages=1, partition_method="profile")
