@@ -18,12 +18,16 @@ _EXPORTS = {
 }
 # Submodules a DeepSpeed script reaches as attributes (`deepspeed.comm.get_rank()`, `deepspeed.zero.Init`).
 _SUBMODULES = ("comm", "accelerator", "ops", "utils", "zero", "runtime", "checkpointing", "moe", "pipe")
+# Modules of a submodule package that scripts reach as attributes (`deepspeed.moe.layer.MoE`).
+_SUBMODULE_PARTS = {"moe": ("layer", "utils")}
 
 
 def __getattr__(name):
     import importlib
 
     if name in _SUBMODULES:
+        for part in _SUBMODULE_PARTS.get(name, ()):
+            importlib.import_module(f"deepfleet.engine.{name}.{part}")
         return importlib.import_module(f"deepfleet.engine.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'deepfleet.engine' has no attribute {name!r}")

@@ -25,6 +25,8 @@ from torch import nn
 
 from deepfleet.engine import comm
 from deepfleet.engine.metrics import StepSink, sinks_from_env
+from deepfleet.engine.moe.balance import bias_balancers
+from deepfleet.engine.moe.utils import place_expert_param_groups
 from deepfleet.engine.precision import Precision, build_precision
 from deepfleet.engine.profiling.step_flops import StepFlops
 from deepfleet.engine.progress import ProgressLog
@@ -69,6 +71,7 @@ def build_training(
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: Any = None,
     process_group: Any = None,
+    strategy: StrategyFactory | None = None,
 ) -> Training:
     """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order, and
     compose the step sinks."""
@@ -87,9 +90,13 @@ def build_training(
     # 2. Param groups are read before sharding: stage 3 replaces the parameters with DTensor shards
     #    and the strategy maps the user's groups onto them by identity.
     groups = _param_groups(model, model_parameters, optimizer)
+    #    Expert parameters bound to an ep mesh move to groups of their own that name the
+    #    expert-data-parallel group they reduce over (moe/utils.py); every strategy reads that key.
+    groups = place_expert_param_groups(groups)
 
     # 3. The sharding strategy wraps the model (DDP, our partitioning, or FSDP2).
-    sharding = strategy_class(config.zero_optimization.stage)(
+    #    `strategy` replaces the stage's class (the pipeline engine's stage 0, engine/pipe/replicated.py).
+    sharding = (strategy or strategy_class(config.zero_optimization.stage))(
         model,
         compute_dtype=precision.compute_dtype,
         zero_config=config.zero_optimization,
@@ -114,7 +121,9 @@ def build_training(
     #    does not leak into this one); the strategies' gradient reductions go through it from the first step.
     comm_policy = _comm_policy(config)
     comm.set_gradient_policy(comm_policy)
-    return Training(precision, sharding, opt, scheduler, sinks=step_sinks(config), compression=compression,
+    # 9. MoE gates with auxiliary-loss-free balancing update their biases at each step boundary.
+    sinks = [*bias_balancers(model, process_group=process_group), *step_sinks(config)]
+    return Training(precision, sharding, opt, scheduler, sinks=sinks, compression=compression,
                     flops=flops, comm_policy=comm_policy)
 
 
@@ -216,6 +225,11 @@ def _optimizer(given: Any, groups: list[dict], config: Any) -> torch.optim.Optim
     if isinstance(given, torch.optim.Optimizer):
         # Re-point the user's own optimizer at the strategy's tensors, so any scheduler the user
         # built on it keeps driving the same param-group dicts.
+        if len(given.param_groups) != len(groups):
+            raise ValueError(
+                "optimizer: its param groups mix expert and dense parameters; build it over "
+                "deepfleet.engine.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)"
+            )
         for group, mapped in zip(given.param_groups, groups, strict=True):
             group["params"] = list(mapped["params"])
         return given

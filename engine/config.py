@@ -39,9 +39,12 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
 from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
+from deepfleet.engine.config_curriculum import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from deepfleet.engine.config_keys import check_keys
+from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
     CometConfig,
     CommsLoggerConfig,
@@ -59,6 +62,7 @@ from deepfleet.engine.config_optim import (
     OptimizerConfig,
     SchedulerConfig,
 )
+from deepfleet.engine.config_pipeline import PipelineConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
@@ -136,6 +140,8 @@ class DeepFleetConfig(ConfigSection):
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
     communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
     """deepfleet's own: compression of the gradient reduction and its guard (engine/gradcomp/)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallelism of a PipelineModule (engine/pipe/): stages, schedule, activation checkpointing."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile one step's FLOPs per module; MFU/HFU per step after it (engine/profiling/)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
@@ -150,12 +156,22 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
+    """Progressive layer drop: the keep-probability schedule passed to the model (engine/curriculum.py)."""
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
+    """DeepSpeed's legacy sequence-length curriculum passed to the model (engine/curriculum.py)."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """`torch.compile` of the wrapped model (engine/config_checkpoint.py)."""
     sparse_attention: SparseAttentionConfig | None = None
     """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
     sequence_parallel_size: Int = Field(1, gt=0)
     """Ulysses sequence parallelism: ranks that split each sequence (the mesh's `sp` axis, engine/attention/)."""
     seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
     """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts shape and expert-parallel degree (deepfleet's own section; engine/moe/)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
@@ -174,6 +190,18 @@ class DeepFleetConfig(ConfigSection):
     def to_dict(self) -> dict[str, Any]:
         """The normalized config as plain JSON-compatible data (every default filled in)."""
         return self.model_dump(mode="json")
+
+    # DeepSpeed's `engine.config` is the config dict; integrations read it so
+    # (`engine.config.get("zero_optimization", {}).get("stage")` in HF's Trainer). Read-only views of
+    # `to_dict()`; the typed attributes stay the engine's own interface.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()
 
 
 def _precision_conflicts(*, fp16: Any, bf16: Any) -> list[str]:
@@ -270,6 +298,8 @@ def _legacy_forms(data: dict, errors: list[str]) -> None:
     `zero_optimization: true|false` (stage 1 | 0), `zero_optimization.cpu_offload`/`cpu_offload_param`/
     `cpu_offload_use_pin_memory` (the `offload_*` sections) and `optimizer.params.max_grad_norm` (the
     top-level `gradient_clipping`). A legacy key that contradicts its current form is an error."""
+    if data.get("steps_per_print") == float("inf"):  # what Accelerate writes for "never" (DeepSpeed accepts it)
+        data["steps_per_print"] = None
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
         data["zero_optimization"] = zero = {"stage": 1 if zero else 0}
@@ -473,7 +503,9 @@ def load_config(
     _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
     _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)
     check_keys(data, DeepFleetConfig, path="", errors=errors)
-    fill = {**(_hf_bucket_sizes(hidden_size) if hidden_size else {}), **dict(auto_values or {})}
+    # "pipeline.stages": "auto" is DeepSpeed's default: the PipelineModule's num_stages (engine/pipe/).
+    fill = {"pipeline.stages": None, **(_hf_bucket_sizes(hidden_size) if hidden_size else {}),
+            **dict(auto_values or {})}
     auto_batch: set[str] = set()
     _drop_auto_out_of_stage(data)
     _resolve_auto(data, path="", fill=fill, auto_batch=auto_batch, errors=errors)

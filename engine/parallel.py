@@ -35,8 +35,11 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 
 # degree -> dotted config key that sets it. Empty today: every degree but data parallelism is 1, and
 # data parallelism takes the rest of the world. A section that asks for a degree adds its row.
-DEGREE_KEYS: dict[str, str] = {}
+DEGREE_KEYS: dict[str, str] = {
+    "ep": "moe.ep_size",
+}
 DEGREE_KEYS["sp"] = "sequence_parallel_size"  # Ulysses sequence parallelism (engine/attention/)
+DEGREE_KEYS["pp"] = "pipeline.stages"  # engine/pipe/: PipelineModule(num_stages=...) fills it in
 
 
 @dataclass
@@ -112,9 +115,12 @@ class ParallelDims:
         return {d: getattr(self, d) for d in ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp", "world_size")}
 
     @classmethod
-    def from_config(cls, cfg: Any, *, world_size: int) -> ParallelDims:
+    def from_config(cls, cfg: Any, *, world_size: int, model_degrees: dict[str, tuple[int, str]] | None = None
+                    ) -> ParallelDims:
         """The degrees the config's sections ask for (`DEGREE_KEYS`); data parallelism takes the rest.
-        Raises ValueError naming the config key when they cannot tile `world_size` ranks."""
+        `model_degrees` (degree -> (value, label)) are degrees the model itself asks for, e.g. its
+        `MoE(ep_size=...)` layers; they win over an unset config key. Raises ValueError naming the
+        config key (or the label) when they cannot tile `world_size` ranks."""
         given: dict[str, int] = {}
         for degree, key in DEGREE_KEYS.items():
             value: Any = cfg
@@ -122,7 +128,11 @@ class ParallelDims:
                 value = getattr(value, part, None) if value is not None else None
             if value is not None:
                 given[degree] = value
-        return cls(**given, world_size=world_size, names={d: DEGREE_KEYS[d] for d in given})
+        names = {d: DEGREE_KEYS[d] for d in given}
+        for degree, (value, label) in (model_degrees or {}).items():
+            if degree not in given:
+                given[degree], names[degree] = value, label
+        return cls(**given, world_size=world_size, names=names)
 
     # -- the mesh --------------------------------------------------------------------------------
 

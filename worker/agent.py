@@ -292,7 +292,13 @@ def _run_script(entry: ScriptEntrypoint) -> None:
     if not os.path.isfile(script):
         raise WorkerSpecError([f"entrypoint.script: {entry.script!r} does not exist; give the path of the "
                                "training script relative to the working directory"])
-    sys.argv = [script, *entry.args]
+    args = list(entry.args)
+    if entry.deepspeed:  # what `deepfleet run` does for the script (engine/compat/script_entry.py)
+        from deepfleet.engine.compat.deepspeed_alias import install
+
+        install()
+        args.append(f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")
+    sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(script))  # as `python script.py` would
     runpy.run_path(script, run_name="__main__")
 

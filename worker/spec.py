@@ -175,6 +175,11 @@ class ScriptEntrypoint(Section):
     """Path of the Python training script (absolute, or relative to the worker's working directory)."""
     args: list[Text] = []
     """Command-line arguments passed to the script."""
+    deepspeed: bool = False
+    """Run an unmodified DeepSpeed script, as `deepfleet run` does: in the training processes
+    `import deepspeed` is deepfleet's engine, and `--local_rank=<n>` is appended to `args` as
+    DeepSpeed's launcher passes it. `deepspeed.initialize(args=...)` without `--deepspeed_config` takes
+    the job's engine config."""
 
 
 def _legacy_factory_args(value: Any) -> Any:

@@ -295,7 +295,15 @@ class StepReader:
                 problems.append(f"{key} is not in the checkpoint")
             elif saved[key][0] != shape:
                 problems.append(f"{key} has shape {list(saved[key][0])} in the checkpoint, {list(shape)} in the model")
-        extra = [k for k in saved if k.startswith(strict_prefixes) and k not in wanted]
+        # A rank may hold only part of the model (expert parallelism: its own experts), so "in the
+        # model" means held by some rank of the group.
+        held = set(wanted)
+        if comm.get_world_size(self.group) > 1:
+            everyone: list[Any] = [None] * comm.get_world_size(self.group)
+            comm.all_gather_object(everyone, sorted(k for k in wanted if k.startswith(strict_prefixes)),
+                                   group=self.group)
+            held = held.union(*map(set, everyone))
+        extra = [k for k in saved if k.startswith(strict_prefixes) and k not in held]
         if "optim" in template and not any(k.startswith("optim.state.") for k in wanted):
             if any(k.startswith("optim.state.") for k in saved):
                 problems.append(

@@ -23,6 +23,16 @@ from typing import Any
 
 ALIAS = "deepspeed"
 TARGET = "deepfleet.engine"
+# Adapter packages whose submodules are imported with them (the rest of the engine loads on first use).
+EAGER_PACKAGES = frozenset({f"{TARGET}.runtime", f"{TARGET}.runtime.zero", f"{TARGET}.ops", f"{TARGET}.utils"})
+
+
+def _import_tree(package: str) -> None:
+    import pkgutil
+
+    module = importlib.import_module(package)
+    for info in pkgutil.iter_modules(module.__path__):
+        importlib.import_module(f"{package}.{info.name}")
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -32,7 +42,12 @@ class _AliasLoader(importlib.abc.Loader):
         self.target = target
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        # DeepSpeed's packages import their submodules, and callers rely on it
+        # (`deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES` after a bare `import deepspeed`)
+        for package in sorted(EAGER_PACKAGES) if self.target == TARGET else [self.target] * (self.target in EAGER_PACKAGES):
+            _import_tree(package)
+        return module
 
     def exec_module(self, module: Any) -> None:
         """The target module is executed by its own import."""

@@ -28,7 +28,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from deepfleet.engine import comm
-from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
+from deepfleet.engine.moe.groups import expert_groups
+from deepfleet.engine.zero.gradients import any_nonfinite, clip_to_norm_, split_global_norm
 from deepfleet.engine.zero.optim_state import (
     ensure_optimizer_state,
     fqn_optimizer_state,
@@ -103,6 +104,13 @@ class DDPStrategy:
             self._masters = [p.detach().clone().float() for p in params]
             model.to(compute_dtype)
         self._params = params
+        # Expert parameters on an expert-parallel mesh stay out of DDP (which would average them over
+        # every data-parallel rank) and are averaged over their expert-data-parallel group here.
+        self._experts = [i for i, p in enumerate(params) if expert_groups(p) is not None]
+        self._ep = expert_groups(params[self._experts[0]]) if self._experts else None
+        if self._experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                model, [self._names[i] for i in self._experts])
         self._master_of = {id(p): m for p, m in zip(params, self._masters, strict=True)}
         # reduce_bucket_size counts elements (DeepSpeed's unit); DDP wants MiB of fp32 gradients.
         bucket_elements = getattr(zero_config, "reduce_bucket_size", None) or 25 * _MB // 4
@@ -131,7 +139,7 @@ class DDPStrategy:
                         "pass model.parameters() or groups over them"
                     )
                 tensors.append(self._master_of[id(p)])
-            out.append({**group, "params": tensors})
+            out.append({**{k: v for k, v in group.items() if k != "process_group"}, "params": tensors})
         return out
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -147,6 +155,7 @@ class DDPStrategy:
 
     def finish_gradients(self, *, grad_scale: float) -> bool:
         # DDP has already averaged the gradients during backward; copy/unscale into the masters.
+        self._reduce_experts()
         grads = []
         for p, m in zip(self._params, self._masters, strict=True):
             if p.grad is None:
@@ -162,10 +171,31 @@ class DDPStrategy:
         # gradients were altered after the reduction cannot step alone.
         return any_nonfinite(grads, self._group)
 
+    def _reduce_experts(self) -> None:
+        """Average expert gradients over their expert-data-parallel group (in fp32), in the 16-bit
+        `.grad` that finish_gradients copies into the masters."""
+        if self._ep is None:
+            return
+        for i in self._experts:
+            p = self._params[i]
+            if p.grad is None:  # no token reached this expert: it still takes part in the reduction
+                p.grad = torch.zeros_like(p)
+            if self._ep.dp_size > 1:
+                wide = p.grad.to(torch.float32)
+                comm.all_reduce(wide, group=self._ep.dp_group)
+                p.grad.copy_(wide.div_(self._ep.dp_size))
+
     def clip_grad_norm_(self, max_norm: float) -> float:
-        # Every rank holds the same full gradients (plain tensors): the local norm is the global norm.
-        # On the steps a 1-bit optimizer keeps gradients local, it is this rank's local norm.
-        return clip_by_global_norm_([m.grad for m in self._masters if m.grad is not None], max_norm, None)
+        # Dense gradients are whole on every rank; expert gradients are whole per ep rank, different
+        # across the ep group (zero/gradients.py sums them there). On the steps a 1-bit optimizer keeps
+        # gradients local, it is this rank's local norm.
+        experts = set(self._experts)
+        dense = [m.grad for i, m in enumerate(self._masters) if m.grad is not None and i not in experts]
+        expert = [self._masters[i].grad for i in self._experts if self._masters[i].grad is not None]
+        grads = dense + expert
+        norm = float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
+        clip_to_norm_(grads, max_norm, norm=norm)
+        return norm
 
     def after_optimizer_step(self) -> None:
         if self._masters is self._params:

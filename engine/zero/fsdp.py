@@ -36,8 +36,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from deepfleet.engine.blocks import shard_units
+from deepfleet.engine.moe.groups import expert_groups, moe_layers
 from deepfleet.engine.zero.fsdp_collectives import RingReduceScatter
-from deepfleet.engine.zero.gradients import any_nonfinite, clip_by_global_norm_
+from deepfleet.engine.zero.gradients import any_nonfinite, clip_to_norm_, split_global_norm
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,20 @@ class FSDPStrategy:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # Experts on an expert-parallel mesh are FSDP units of their own, sharded over their
+        # expert-data-parallel group (the ranks holding the same experts); the enclosing block's and the
+        # root's units then leave their parameters alone.
+        self._ep = None
+        self._expert_names: set[str] = set()
+        for layer in moe_layers(model):
+            groups = next((expert_groups(p) for p in layer.experts.parameters()), None)
+            if groups is None:
+                continue
+            self._ep = groups
+            self._expert_names |= {name for name, p in model.named_parameters() if expert_groups(p) is groups}
+            fully_shard(layer.experts, mesh=DeviceMesh.from_group(groups.dp_group, device.type), mp_policy=policy)
+            if groups.dp_size > 1 and dist.get_backend(groups.dp_group) == "gloo":
+                layer.experts.set_custom_reduce_scatter(RingReduceScatter())
         units = shard_units(model)  # transformer blocks; a ZeRO-3 leaf module holding blocks replaces them
         for block in units:
             fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -90,7 +105,7 @@ class FSDPStrategy:
                         "pass model.parameters() or groups over them"
                     )
                 shards.append(self._params[name])
-            out.append({**group, "params": shards})
+            out.append({**{k: v for k, v in group.items() if k != "process_group"}, "params": shards})
         return out
 
     def bind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -114,9 +129,13 @@ class FSDPStrategy:
         return any_nonfinite(grads, self._group)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        # DTensor shards: their squares are summed over the mesh (one all-reduce).
-        grads = [p.grad for p in self._params.values() if p.grad is not None]
-        return clip_by_global_norm_(grads, max_norm, None)
+        # DTensor shards: their squares are summed over each mesh (one all-reduce per mesh); expert
+        # shards' squares also over the expert-parallel group (each ep rank holds other experts).
+        dense = [p.grad for n, p in self._params.items() if p.grad is not None and n not in self._expert_names]
+        expert = [p.grad for n, p in self._params.items() if p.grad is not None and n in self._expert_names]
+        norm = float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
+        clip_to_norm_(dense + expert, max_norm, norm=norm)
+        return norm
 
     def after_optimizer_step(self) -> None:
         """Nothing to publish: the next forward all-gathers (and casts) the updated shards."""

@@ -94,6 +94,19 @@ def global_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None =
     return total.sqrt()
 
 
+def split_global_norm(dense: Sequence[torch.Tensor], experts: Sequence[torch.Tensor],
+                      ep_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`global_norm` over dense gradients and expert gradients together: the experts' squares (each
+    rank's own experts, reduced over their shard group as `global_norm` does) are summed over the
+    expert-parallel group too, since each ep rank holds different experts. `ep_group` None: no experts."""
+    total = global_norm(list(dense)).pow(2)
+    if ep_group is not None:
+        square = global_norm(list(experts)).pow(2)
+        comm.all_reduce(square, op=comm.ReduceOp.SUM, group=ep_group)
+        total = total + square
+    return total.sqrt()
+
+
 def clip_by_global_norm_(
     grads: Sequence[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None
 ) -> float:

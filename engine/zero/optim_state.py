@@ -38,7 +38,10 @@ def load_fqn_optimizer_state(
             "build the optimizer with the same param groups as the run that saved it"
         )
     try:
-        groups = [{**g, "params": [position[fqn] for fqn in g["params"]]} for g in saved_groups]
+        # Hyper-parameters from the checkpoint, members from the live optimizer: a group's member list
+        # is this rank's own (with expert parallelism each rank holds other experts).
+        groups = [{**g, "params": [index[id(t)] for t in live["params"]]}
+                  for g, live in zip(saved_groups, optimizer.param_groups, strict=True)]
         per_index = {position[fqn]: s for fqn, s in state["state"].items()}
     except KeyError as e:
         raise ValueError(f"optimizer state names parameter {e.args[0]!r}, which this model lacks") from e

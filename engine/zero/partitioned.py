@@ -77,8 +77,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from deepfleet.engine import comm
+from deepfleet.engine.moe.groups import expert_groups
 from deepfleet.engine.zero.flat import GradChunk, ParamRun, flatten, gather_in_place, reduce_grads_in_place
-from deepfleet.engine.zero.gradients import clip_to_norm_, global_norm
+from deepfleet.engine.zero.gradients import clip_to_norm_, global_norm, split_global_norm
 from deepfleet.engine.zero.layout import (
     Bucket,
     Landing,
@@ -319,15 +320,22 @@ class _Partitioned(ABC):
         return not math.isfinite(self._norm)
 
     def _global_grad_norm(self) -> float:
+        # Expert parameters (moe/groups.py) reduce over their expert-data-parallel group; each ep rank
+        # holds other experts, so their squares are also summed over the ep group (split_global_norm).
+        ep = next((expert_groups(p) for p in self._params if expert_groups(p) is not None), None)
+        expert_pg = ep.dp_group if ep is not None else None
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []
         if self._grad_segments:
             # one norm per bucket segment (padding is zero), each a Shard(0) piece over its bucket's group
-            pieces: list[torch.Tensor] = [
-                DTensor.from_local(segment, self._mesh(bucket.group), [Shard(0)], run_check=False)
-                for segment, bucket in zip(self._grad_segments, self._reduce_buckets, strict=True)
-            ]
+            for segment, bucket in zip(self._grad_segments, self._reduce_buckets, strict=True):
+                piece = DTensor.from_local(segment, self._mesh(bucket.group), [Shard(0)], run_check=False)
+                (experts if ep is not None and bucket.group is expert_pg else dense).append(piece)
         else:
-            pieces = [t.grad for t in self._opt_tensors if t.grad is not None]
-        return float(global_norm(pieces).item())
+            for p, t in zip(self._params, self._opt_tensors, strict=True):
+                if t.grad is not None:
+                    (experts if expert_groups(p) is not None else dense).append(t.grad)
+        return float(split_global_norm(dense, experts, ep.ep_group if ep is not None else None).item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         grads = [t.grad for t in self._opt_tensors if t.grad is not None]
@@ -556,7 +564,8 @@ class _Partitioned(ABC):
         groups, start = [], 0
         for g, (saved, live) in enumerate(zip(saved_groups, self.optimizer.param_groups, strict=True)):
             names = current[start : start + len(live["params"])]
-            if sorted(saved["params"]) != sorted(names):
+            # an expert group's members differ per ep rank and ep_size (moe/utils.py); others must match
+            if not saved.get("moe") and sorted(saved["params"]) != sorted(names):
                 raise ValueError(
                     f"checkpoint optim.param_groups[{g}].params: the saved group holds different "
                     "parameters than the optimizer's; build the optimizer with the same groups"

@@ -59,7 +59,8 @@ def attention_cases(rank: int, world: int) -> dict[str, float]:
     out["ulysses gqa kv_heads=2"] = _compare(
         rank, world, heads=4, kv_heads=2, run=lambda q, k, v: ulysses_attention(q, k, v, _sdpa(False), group=group),
         reference=_bhsd(_sdpa(False)))
-    layout = BigBirdSparsityConfig(2, block=4, num_random_blocks=1).make_layout(16)  # same seed on every rank
+    random.seed(0)  # the same random blocks on every rank
+    layout = BigBirdSparsityConfig(2, block=4, num_random_blocks=1).make_layout(16)
     rows, cols = layout_blocks(layout)
 
     def sparse(q, k, v):  # (B, 2, S, D)
@@ -106,3 +107,66 @@ def layout_broadcast_and_loader(rank: int, world: int) -> dict:
     shards = list(SequenceParallelLoader(batches, group=dist.group.WORLD))
     return {"same": all(torch.equal(g, gathered[0]) for g in gathered), "changed": not torch.equal(before, gathered[0]),
             "shards": [s["input_ids"].tolist() for s in shards], "n": [int(s["n"]) for s in shards]}
+
+
+class _SPModel(torch.nn.Module):
+    """One attention layer whose attention runs Ulysses over `sp_group` (None: one process, whole sequences);
+    forward(batch) -> mean squared error over this rank's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.proj = torch.nn.Linear(16, 16)
+        self.sp_group = None
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        x, y = batch["x"], batch["y"]  # (B, s, 16)
+        q, k, v = (t.reshape(*x.shape[:2], 4, 4) for t in self.qkv(x).chunk(3, dim=-1))  # (B, s, H, D)
+        if self.sp_group is None:
+            a = _bhsd(_sdpa(True))(q, k, v)
+        else:
+            a = ulysses_attention(q, k, v, _sdpa(True), group=self.sp_group)
+        return ((self.proj(a.reshape(*x.shape)) - y) ** 2).mean()
+
+
+def _sp_batches() -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randn(2, 12, 16, generator=g), "y": torch.randn(2, 12, 16, generator=g)} for _ in range(2)]
+
+
+def _sp_reference() -> dict:
+    model = _SPModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for batch in _sp_batches():
+        model(batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sp_engine_stages(rank: int, world: int) -> dict[int, float]:
+    """sequence_parallel_size=world with ZeRO stages 0-3: parameters after 2 steps vs one process."""
+    import deepfleet.engine as deepspeed
+    from deepfleet.engine.attention.data import shard_sequence
+
+    ref = _sp_reference()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = _SPModel()
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(),
+            optimizer=lambda groups: torch.optim.SGD(groups, lr=0.5),  # linear in the gradient: Adam would amplify rounding in tiny gradients
+            config={"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": world,
+                    "zero_optimization": {"stage": stage}})
+        assert engine.parallel.sp == world and engine.parallel.dp_size == 1
+        sp = engine.parallel.submesh("sp")
+        model.sp_group = sp.get_group()
+        for batch in _sp_batches():
+            loss = engine(shard_sequence(batch, rank=sp.get_local_rank(), world=world))
+            engine.backward(loss)
+            engine.step()
+        state = engine.sharding.state_dict()["model"]
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in state.items()}
+        out[stage] = max((full[k].float() - ref[k]).abs().max().item() for k in ref)
+    return out

@@ -33,3 +33,11 @@ def test_single_process_is_the_identity_and_bad_splits_are_named() -> None:
     assert seq_to_heads(x) is x
     with pytest.raises(ValueError, match="does not divide over 2"):
         shard_sequence(torch.zeros(1, 5), rank=0, world=2)
+
+
+def test_engine_with_sequence_parallelism_matches_one_process_at_every_zero_stage() -> None:
+    results = spawn(sp_runs.sp_engine_stages, 2)
+    for rank, per_stage in enumerate(results):
+        assert sorted(per_stage) == [0, 1, 2, 3]
+        for stage, err in per_stage.items():
+            assert err < 1e-5, (rank, stage, err)

@@ -124,3 +124,37 @@ def test_run_refuses_what_it_cannot_do(tmp_path) -> None:
     assert proc.returncode == 2 and "--hostfile: DeepSpeed's ssh multi-node launch is not supported" in proc.stderr
     proc = deepfleet_run("no_such.py")
     assert proc.returncode == 2 and "no_such.py: no such script" in proc.stderr
+
+
+HF_AUTO_CONFIG = {  # HF's documented template: every trainer-owned value "auto"
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+}
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_hf_trainer_trains_saves_and_resumes(tmp_path, stage: int) -> None:
+    pytest.importorskip("accelerate")
+    zero = {"stage": stage}
+    if stage == 3:
+        zero.update({"stage3_gather_16bit_weights_on_model_save": True, "reduce_bucket_size": "auto",
+                     "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"})
+    cfg = _config(tmp_path, "ds.json", {**HF_AUTO_CONFIG, "zero_optimization": zero})
+    full, resumed = tmp_path / "full.json", tmp_path / "resumed.json"
+    _check(deepfleet_run("hf_trainer_ds.py", "--deepspeed", cfg, "--output_dir", str(tmp_path / "a"), "--out", str(full)))
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert (ckpt / "global_step3" / "COMPLETE").exists() and (ckpt / "latest").read_text().strip() == "global_step3"
+    assert (tmp_path / "a" / "final" / "model.safetensors").exists()
+    _check(deepfleet_run("hf_trainer_ds.py", "--deepspeed", cfg, "--output_dir", str(tmp_path / "b"),
+                         "--resume_from", str(ckpt), "--out", str(resumed)))
+    a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
+    assert a["engine"] == "deepfleet.engine.engine"
+    by_step = {h["step"]: h for h in a["log"]}
+    # the resumed Trainer's log holds the checkpoint's history (steps 1-3) and what it trained (4, 5)
+    assert sorted(by_step) == [1, 2, 3, 4, 5] and [h["step"] for h in b["log"]] == [1, 2, 3, 4, 5]
+    for h in b["log"][3:]:
+        assert h["loss"] == pytest.approx(by_step[h["step"]]["loss"], rel=1e-5)
+        assert h["learning_rate"] == pytest.approx(by_step[h["step"]]["learning_rate"])
