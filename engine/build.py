@@ -71,6 +71,7 @@ def build_training(
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: Any = None,
     process_group: Any = None,
+    strategy: StrategyFactory | None = None,
 ) -> Training:
     """Apply precision, param groups, sharding, optimizer and LR schedule to `model`, in that order, and
     compose the step sinks."""
@@ -94,7 +95,8 @@ def build_training(
     groups = place_expert_param_groups(groups)
 
     # 3. The sharding strategy wraps the model (DDP, our partitioning, or FSDP2).
-    sharding = strategy_class(config.zero_optimization.stage)(
+    #    `strategy` replaces the stage's class (the pipeline engine's stage 0, engine/pipe/replicated.py).
+    sharding = (strategy or strategy_class(config.zero_optimization.stage))(
         model,
         compute_dtype=precision.compute_dtype,
         zero_config=config.zero_optimization,

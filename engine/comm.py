@@ -295,7 +295,7 @@ def reduce_scatter_gradients(output_tensor, tensor, group=None, async_op: bool =
     """SUM-reduce-scatter a flat gradient buffer, compressed when the installed policy takes it."""
     policy = _GRADIENT_POLICY[0]
     if policy is not None:
-        work = policy.reduce_scatter(output_tensor, tensor, group=group)
+        work = policy.reduce_scatter_into(output_tensor, tensor, group=group)
         if work is not None:
             return work if async_op else None
     return reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=group, async_op=async_op)

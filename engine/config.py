@@ -39,8 +39,10 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
 from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
+from deepfleet.engine.config_curriculum import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
@@ -60,6 +62,7 @@ from deepfleet.engine.config_optim import (
     OptimizerConfig,
     SchedulerConfig,
 )
+from deepfleet.engine.config_pipeline import PipelineConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
@@ -137,6 +140,8 @@ class DeepFleetConfig(ConfigSection):
     """DeepSpeed Compression: quantization-aware training, pruning, layer reduction (engine/compression/)."""
     communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
     """deepfleet's own: compression of the gradient reduction and its guard (engine/gradcomp/)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallelism of a PipelineModule (engine/pipe/): stages, schedule, activation checkpointing."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile one step's FLOPs per module; MFU/HFU per step after it (engine/profiling/)."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
@@ -151,6 +156,14 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
+    """Progressive layer drop: the keep-probability schedule passed to the model (engine/curriculum.py)."""
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
+    """DeepSpeed's legacy sequence-length curriculum passed to the model (engine/curriculum.py)."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """`torch.compile` of the wrapped model (engine/config_checkpoint.py)."""
     sparse_attention: SparseAttentionConfig | None = None
     """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
     sequence_parallel_size: Int = Field(1, gt=0)
@@ -490,7 +503,9 @@ def load_config(
     _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
     _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)
     check_keys(data, DeepFleetConfig, path="", errors=errors)
-    fill = {**(_hf_bucket_sizes(hidden_size) if hidden_size else {}), **dict(auto_values or {})}
+    # "pipeline.stages": "auto" is DeepSpeed's default: the PipelineModule's num_stages (engine/pipe/).
+    fill = {"pipeline.stages": None, **(_hf_bucket_sizes(hidden_size) if hidden_size else {}),
+            **dict(auto_values or {})}
     auto_batch: set[str] = set()
     _drop_auto_out_of_stage(data)
     _resolve_auto(data, path="", fill=fill, auto_batch=auto_batch, errors=errors)

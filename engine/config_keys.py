@@ -76,22 +76,17 @@ _OFF = Unsupported(_disabled, 'drop the section or set "enabled": false')
 NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
     "activation_checkpointing": Unsupported(_all_off(_ACTIVATION_CHECKPOINTING_OFF), "drop the section"),
-    "pipeline": _SECTION,
     "data_efficiency": _OFF,
-    "curriculum_learning": _OFF,
     "amp": _OFF,
     "elasticity": _OFF,
     "aio": _SECTION,
     "autotuning": _OFF,
     "eigenvalue": _OFF,
-    "progressive_layer_drop": _OFF,
     "quantize_training": _OFF,
-    "checkpoint": _SECTION,
     # gradients accumulate in fp32 (the strategies' buffers and FSDP2's reduce dtype), so only that is accepted
     "data_types": Unsupported(_all_off({"grad_accum_dtype": (None, "fp32")}),
                               'drop data_types or set "grad_accum_dtype": "fp32" (gradients accumulate in fp32)'),
     "hybrid_engine": _OFF,
-    "compile": _SECTION,
     "nebula": _OFF,
     "weight_quantization": _SECTION,
     "tensor_parallel": _SECTION,

@@ -23,10 +23,28 @@ class NoOp:
 
 
 NO_OPS: dict[str, NoOp] = {
+    # checkpoint section (engine/config_checkpoint.py)
+    "checkpoint.load_universal": NoOp(
+        "DeepSpeed's switch to load a topology-independent checkpoint; every checkpoint here is one (DCP with "
+        "global shapes), so both values load the same way."
+    ),
+    "checkpoint.use_node_local_storage": NoOp(
+        "Only false is accepted (its validator refuses true): shards always go to the one directory given."
+    ),
+    "checkpoint.parallel_write.pipeline_stage": NoOp(
+        "How DeepSpeed spreads pipeline stages' writes; every rank writes its own shard files here."
+    ),
     # sequence parallelism (engine/attention/)
     "seq_parallel_communication_data_type": NoOp(
         "DeepSpeed's dtype for reducing gradients over the data- and sequence-parallel ranks; every strategy "
         "here reduces gradients in fp32 over that group, which is at least as accurate at every value."
+    ),
+    # pipeline parallelism (engine/pipe/)
+    "pipeline.pipe_partitioned": NoOp(
+        "DeepSpeed splits the activations sent between pipeline stages over its tensor-parallel ranks; the pipeline engine runs without tensor parallelism, where the split is the whole tensor."
+    ),
+    "pipeline.grad_partitioned": NoOp(
+        "DeepSpeed splits the gradients sent between pipeline stages over its tensor-parallel ranks; the pipeline engine runs without tensor parallelism, where the split is the whole tensor."
     ),
     # zero_optimization, stages 1/2: our own partitioning (zero/partitioned.py)
     "zero_optimization.contiguous_gradients": NoOp(

@@ -30,6 +30,7 @@ from deepfleet.engine.compat import groups as compat_groups
 from deepfleet.engine.compat import zero as compat_zero
 from deepfleet.engine.compat.args import config_from_args
 from deepfleet.engine.compat.engine_members import DeepSpeedEngineMembers
+from deepfleet.engine.curriculum import ModelSchedules
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.memory import HighWater
@@ -64,6 +65,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.lr_scheduler = training.lr_scheduler
         self.compression = training.compression  # compression schedule (engine/compression/) or None
         self.training_dataloader = training_dataloader
+        # progressive layer drop / legacy curriculum: keywords for the model's forward (engine/curriculum.py)
+        self.model_schedules = ModelSchedules(config)
         self.global_steps = 0  # boundary steps taken, skipped (fp16 overflow) ones included
         self.global_samples = 0
         self.micro_steps = 0
@@ -90,6 +93,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.sharding.set_gradient_sync(self.is_gradient_accumulation_boundary())
         if torch.is_grad_enabled():  # a training micro-batch (evaluation forwards count no tokens)
             self._recorder.micro_batch(args, kwargs)
+        kwargs = {**kwargs, **self.model_schedules.forward_kwargs(
+            next_step=self.global_steps + 1, training=self.module.training)}
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
         with self._recorder.timed("forward"), self._counting("forward"):
             out = self.sharding.module(*args, **kwargs)
@@ -122,8 +127,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
     def _take_model_step(self, lr_kwargs: dict) -> None:
         """The optimizer step of one accumulation window, then its StepMetrics to every sink."""
         with self._recorder.timed("step"):
-            overflow = self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
-            self._grad_norm = self.sharding.clip_grad_norm_(self.config.gradient_clipping)
+            overflow = self._finish_gradients()
+            self._grad_norm = self._clip_gradients()
             stepped = self.precision.update(overflow)  # False: fp16 overflow, the step is skipped
             self._step_applied = stepped
             if stepped:
@@ -136,6 +141,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
             self.sharding.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+        self.model_schedules.step_done(self.global_steps)
         if self.compression is not None:  # schedules advance with engine steps, skipped ones included
             self.compression.step(self.global_steps)
         self.memory.sample("step")
@@ -153,6 +159,14 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
             metrics = dataclasses.replace(metrics, **self.comm_policy.end_step(metrics.loss))
         for sink in self.sinks:
             sink(metrics)
+
+    def _finish_gradients(self) -> bool:
+        """Reduce the window's gradients (the strategy's); True when some rank overflowed."""
+        return self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
+
+    def _clip_gradients(self) -> float:
+        """Clip to `gradient_clipping` over every rank's gradients; the pre-clip global norm."""
+        return self.sharding.clip_grad_norm_(self.config.gradient_clipping)
 
     def _counting(self, phase: str) -> Any:
         """FLOP counting of this phase on the profiled step (a no-op context on every other step)."""
@@ -298,16 +312,18 @@ def initialize(
     Raises ValueError (ConfigError for the config) naming the offending argument or key."""
     if model is None:
         raise ValueError("model: required; pass model=<your torch.nn.Module>")
+    if getattr(model, "deepfleet_pipeline", False):  # a PipelineModule: the pipeline engine (engine/pipe/)
+        from deepfleet.engine.pipe.engine import initialize_pipeline
+
+        return initialize_pipeline(model=model, source=_config_source(args, config, config_params), optimizer=optimizer,
+                                   model_parameters=model_parameters, training_data=training_data,
+                                   lr_scheduler=lr_scheduler, collate_fn=collate_fn)
     if mpu is not None:
         raise ValueError(
             "mpu: Megatron-style model-parallel units are not supported (tensor parallelism comes from the "
             "config's degrees on the engine's mesh); drop the mpu argument"
         )
-    source = config_from_args(args, config if config is not None else config_params)
-    if source is None:  # a script run by a deepfleet job: the spec's engine config
-        source = job_env.engine_config()
-    if source is None:
-        raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
+    source = _config_source(args, config, config_params)
     ensure_process_group()
     world_size, rank = comm.get_world_size(), comm.get_rank()
     cfg, parallel = _config_and_degrees(source, world_size=world_size, model=model)
@@ -336,10 +352,22 @@ def initialize(
             seed=cfg.seed,
             collate_fn=collate_fn,
         )
+    if cfg.compile.enabled:  # after the strategy has wrapped it, so the compiled graph holds its hooks
+        training.sharding.module.compile(backend=cfg.compile.backend, **cfg.compile.kwargs)
     engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
     compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
     compat_zero.register_module(model)    # deepspeed.zero.GatheredParameters finds its shards' owners
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The config `initialize` was given: `config`, `config_params`, the args' or the job's."""
+    source = config_from_args(args, config if config is not None else config_params)
+    if source is None:  # a script run by a deepfleet job: the spec's engine config
+        source = job_env.engine_config()
+    if source is None:
+        raise ValueError("config: required; pass config=<dict or path to a DeepSpeed-style JSON/YAML>")
+    return source
 
 
 def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None = None) -> tuple[Any, ParallelDims]:
@@ -353,7 +381,7 @@ def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None
     if isinstance(source, DeepFleetConfig):
         cfg = source
     else:
-        cfg = load_config(source, world_size=world_size)
+        cfg = load_config(source, world_size=world_size, dp_size=_raw_dp_size(source, world_size=world_size))
     try:
         # the model's MoE layers name their expert-parallel degree (DeepSpeed scripts set it only there)
         ep = model_ep_size(model, cfg.moe.ep_size if cfg.moe is not None else None) if model is not None else None
@@ -367,6 +395,28 @@ def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None
         cfg = load_config(cfg.to_dict() if isinstance(source, DeepFleetConfig) else source,
                           world_size=world_size, dp_size=parallel.dp_size)
     return cfg, parallel
+
+
+def _raw_dp_size(source: Any, *, world_size: int) -> int | None:
+    """The data-parallel size the raw config's degree keys leave (`DEGREE_KEYS`; integers only), so a
+    `train_batch_size` written for it resolves on the first parse; None when they cannot tell."""
+    from deepfleet.engine.config_source import read_source
+    from deepfleet.engine.parallel import DEGREE_KEYS
+
+    raw = read_source(source, [])
+    if raw is None:
+        return None
+    given: dict[str, int] = {}
+    for degree, key in DEGREE_KEYS.items():
+        value: Any = raw
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            given[degree] = value
+    try:
+        return ParallelDims(**given, world_size=world_size).dp_size
+    except ValueError:
+        return None  # the full parse reports the degrees' problem by key
 
 
 DeepSpeedEngine = DeepFleetEngine

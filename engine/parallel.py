@@ -39,6 +39,7 @@ DEGREE_KEYS: dict[str, str] = {
     "ep": "moe.ep_size",
 }
 DEGREE_KEYS["sp"] = "sequence_parallel_size"  # Ulysses sequence parallelism (engine/attention/)
+DEGREE_KEYS["pp"] = "pipeline.stages"  # engine/pipe/: PipelineModule(num_stages=...) fills it in
 
 
 @dataclass

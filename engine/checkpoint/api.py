@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 # One writer per engine (it owns a process group and the in-flight async save); dropped with the engine.
 _WRITERS: weakref.WeakKeyDictionary[Any, StepWriter] = weakref.WeakKeyDictionary()
 
-_OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader", "compression")
+_OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader", "compression", "model_schedules")
 
 
 def writer_for(engine: Any) -> StepWriter:
@@ -81,6 +81,7 @@ def save_checkpoint(
     count. Raises CheckpointError for a bad tag or a failed write.
     """
     tag = layout.validate_tag(tag if tag is not None else layout.default_tag(int(engine.global_steps)))
+    _validate_tag_across_ranks(engine, tag)
     writer = writer_for(engine)
     shared = {
         "global_steps": int(engine.global_steps),
@@ -114,6 +115,21 @@ def save_checkpoint(
         update_latest=save_latest,
     )
     return True
+
+
+def _validate_tag_across_ranks(engine: Any, tag: str) -> None:
+    """`checkpoint.tag_validation`: every rank must save under the same tag (one all_gather_object)."""
+    section = getattr(getattr(engine, "config", None), "checkpoint", None)
+    mode = getattr(section, "tag_validation", "Warn")
+    if mode == "Ignore" or comm.get_world_size() == 1:
+        return
+    tags: list[Any] = [None] * comm.get_world_size()
+    comm.all_gather_object(tags, tag)
+    if len(set(tags)) > 1:
+        message = f"checkpoint tag differs across ranks: {sorted(set(tags))}; pass every rank the same tag"
+        if mode == "Fail":
+            raise CheckpointError(f"checkpoint.tag_validation=Fail: {message}")
+        log.warning("checkpoint.tag_validation=Warn: %s", message)
 
 
 def wait_for_checkpoint(engine: Any) -> None:

@@ -97,7 +97,7 @@ class GradientCompression:
         tensor.copy_(result)
         return _Done(tensor)
 
-    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, *, group: Any) -> Any:
+    def reduce_scatter_into(self, output: torch.Tensor, tensor: torch.Tensor, *, group: Any) -> Any:
         """SUM-reduce `tensor` and leave this rank's dim-0 chunk in `output`, compressed; None as above."""
         if not self._handles(tensor, group) or tensor.numel() % comm.get_world_size(group):
             return None

@@ -18,6 +18,7 @@ MAPPED = {"engine", "kernels", "worker", "controller", "migrations"}
 # `deepspeed.utils` / `deepspeed.zero` are packages whose names scripts import; these may hold only a
 # lazy export table (PEP 562 __getattr__), nothing that runs at import.
 LAZY_EXPORT_INITS = {Path("engine/__init__.py"), Path("engine/utils/__init__.py"), Path("engine/zero/__init__.py")}
+LAZY_EXPORT_INITS.add(Path("engine/pipe/__init__.py"))  # `deepspeed.pipe` names: PipelineModule, LayerSpec, TiedLayerSpec
 
 
 def _pyproject() -> dict:
