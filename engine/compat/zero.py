@@ -84,6 +84,25 @@ class Init(contextlib.ContextDecorator):
         return False
 
 
+_orig_torch_arange = torch.arange  # DeepSpeed's name; integrations compare constructors against it
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype,
+                                           target_device: torch.device | str | None = None) -> Any:
+    """DeepSpeed's constructor wrapper: `fn` (a tensor constructor) creating its result on `target_device`
+    and casting floating results to `target_fp_dtype`. `Init` here does not wrap torch's constructors;
+    integrations that swap this function around `Init` (Hugging Face's `prevent_arange_dtype_change`)
+    find it with DeepSpeed's signature."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+
+    return wrapped
+
+
 def _owners(param: torch.Tensor) -> list[tuple[nn.Module, str]]:
     found = []
     for ref in _MODULES:

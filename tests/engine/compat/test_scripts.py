@@ -185,3 +185,25 @@ def test_pipeline_example_runs_unchanged(tmp_path) -> None:
     run = json.loads(out.read_text())
     assert run["first"] and run["steps"] == 6 and len(run["losses"]) == 6
     assert run["losses"][-1] < run["losses"][0]
+
+
+@pytest.mark.slow
+def test_hf_trainer_fine_tunes_a_pretrained_model_at_zero3(tmp_path) -> None:
+    """from_pretrained after TrainingArguments at ZeRO-3: HF builds the model under deepspeed.zero.Init and
+    loads rank 0's weights through GatheredParameters(modifier_rank=0); every rank ends with them."""
+    pytest.importorskip("accelerate")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(7)
+    pretrained = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    want = float(pretrained.transformer.wte.weight.detach().double().sum())
+    cfg = _config(tmp_path, "ds.json", {**HF_AUTO_CONFIG, "zero_optimization": {"stage": 3}})
+    out = tmp_path / "ft.json"
+    _check(deepfleet_run("hf_trainer_ds.py", "--deepspeed", cfg, "--output_dir", str(tmp_path / "ft"),
+                         "--model", str(tmp_path / "pretrained"), "--out", str(out)))
+    for rank in (0, 1):
+        assert json.loads(Path(f"{out}.rank{rank}").read_text())["wte_sum"] == pytest.approx(want, rel=1e-9)
+    log = json.loads(out.read_text())["log"]
+    assert [h["step"] for h in log] == [1, 2, 3, 4, 5]

@@ -7,7 +7,7 @@ import argparse
 import json
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)
@@ -15,6 +15,7 @@ parser.add_argument("--deepspeed", type=str, required=True)
 parser.add_argument("--output_dir", type=str, required=True)
 parser.add_argument("--resume_from", type=str, default=None)
 parser.add_argument("--out", type=str, default=None)
+parser.add_argument("--model", type=str, default=None, help="a save_pretrained folder to fine-tune")
 cli = parser.parse_args()
 
 
@@ -31,12 +32,18 @@ class Tokens(torch.utils.data.Dataset):
 
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
 args = TrainingArguments(
     output_dir=cli.output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=5,
     learning_rate=1e-3, warmup_steps=1, logging_steps=1, save_strategy="steps", save_steps=3, report_to=[],
     deepspeed=cli.deepspeed, use_cpu=True, seed=0, dataloader_num_workers=0,
 )
+if cli.model:  # after TrainingArguments, so that at ZeRO-3 HF loads through deepspeed.zero.Init
+    model = AutoModelForCausalLM.from_pretrained(cli.model)
+    if cli.out:
+        with open(f"{cli.out}.rank{torch.distributed.get_rank()}", "w") as f:
+            json.dump({"wte_sum": float(model.transformer.wte.weight.detach().double().sum())}, f)
+else:
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
 trainer = Trainer(model=model, args=args, train_dataset=Tokens())
 trainer.train(resume_from_checkpoint=cli.resume_from)
 trainer.save_model(cli.output_dir + "/final")
