@@ -95,6 +95,10 @@ def rank_main(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         loss = engine(batch)
         engine.backward(loss)
+        if step == args.warmup + args.steps - 1:  # model states at their peak: gradients and optimizer state
+            t_mem = time.perf_counter()
+            mem = _state_bytes(engine)
+            t0 += time.perf_counter() - t_mem
         engine.step()
         dist.barrier()
         elapsed = time.perf_counter() - t0
@@ -104,7 +108,6 @@ def rank_main(args: argparse.Namespace) -> None:
         if step >= args.warmup:
             times.append(elapsed)
             shares.append((_a2a_seconds(args.impl, layers) - a2a_before) / elapsed)
-    mem = _state_bytes(engine)
     gathered = [None] * world
     dist.all_gather_object(gathered, mem)
     if rank == 0:

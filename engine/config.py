@@ -42,6 +42,7 @@ from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float
 from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
 from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
 from deepfleet.engine.config_compression import CompressionConfig
+from deepfleet.engine.config_curriculum import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
@@ -155,6 +156,10 @@ class DeepFleetConfig(ConfigSection):
     """Comet ML monitor (engine/monitor/)."""
     mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
     """MLflow monitor (engine/monitor/)."""
+    progressive_layer_drop: ProgressiveLayerDropConfig = Field(default_factory=ProgressiveLayerDropConfig)
+    """Progressive layer drop: the keep-probability schedule passed to the model (engine/curriculum.py)."""
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
+    """DeepSpeed's legacy sequence-length curriculum passed to the model (engine/curriculum.py)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)

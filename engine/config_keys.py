@@ -77,13 +77,11 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
     "activation_checkpointing": Unsupported(_all_off(_ACTIVATION_CHECKPOINTING_OFF), "drop the section"),
     "data_efficiency": _OFF,
-    "curriculum_learning": _OFF,
     "amp": _OFF,
     "elasticity": _OFF,
     "aio": _SECTION,
     "autotuning": _OFF,
     "eigenvalue": _OFF,
-    "progressive_layer_drop": _OFF,
     "quantize_training": _OFF,
     # gradients accumulate in fp32 (the strategies' buffers and FSDP2's reduce dtype), so only that is accepted
     "data_types": Unsupported(_all_off({"grad_accum_dtype": (None, "fp32")}),

@@ -30,6 +30,7 @@ from deepfleet.engine.compat import groups as compat_groups
 from deepfleet.engine.compat import zero as compat_zero
 from deepfleet.engine.compat.args import config_from_args
 from deepfleet.engine.compat.engine_members import DeepSpeedEngineMembers
+from deepfleet.engine.curriculum import ModelSchedules
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.memory import HighWater
@@ -64,6 +65,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.lr_scheduler = training.lr_scheduler
         self.compression = training.compression  # compression schedule (engine/compression/) or None
         self.training_dataloader = training_dataloader
+        # progressive layer drop / legacy curriculum: keywords for the model's forward (engine/curriculum.py)
+        self.model_schedules = ModelSchedules(config)
         self.global_steps = 0  # boundary steps taken, skipped (fp16 overflow) ones included
         self.global_samples = 0
         self.micro_steps = 0
@@ -90,6 +93,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.sharding.set_gradient_sync(self.is_gradient_accumulation_boundary())
         if torch.is_grad_enabled():  # a training micro-batch (evaluation forwards count no tokens)
             self._recorder.micro_batch(args, kwargs)
+        kwargs = {**kwargs, **self.model_schedules.forward_kwargs(
+            next_step=self.global_steps + 1, training=self.module.training)}
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
         with self._recorder.timed("forward"), self._counting("forward"):
             out = self.sharding.module(*args, **kwargs)
@@ -136,6 +141,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
             self.sharding.zero_grad()
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
+        self.model_schedules.step_done(self.global_steps)
         if self.compression is not None:  # schedules advance with engine steps, skipped ones included
             self.compression.step(self.global_steps)
         self.memory.sample("step")

@@ -24,7 +24,8 @@ from typing import Any
 ALIAS = "deepspeed"
 TARGET = "deepfleet.engine"
 # Adapter packages whose submodules are imported with them (the rest of the engine loads on first use).
-EAGER_PACKAGES = frozenset({f"{TARGET}.runtime", f"{TARGET}.runtime.zero", f"{TARGET}.ops", f"{TARGET}.utils"})
+EAGER_PACKAGES = frozenset({f"{TARGET}.runtime", f"{TARGET}.runtime.zero", f"{TARGET}.ops", f"{TARGET}.utils",
+                            f"{TARGET}.moe"})
 
 
 def _import_tree(package: str) -> None:

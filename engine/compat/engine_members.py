@@ -123,6 +123,30 @@ class DeepSpeedEngineMembers:
     def get_global_step(self) -> int:
         return self.global_steps
 
+    # progressive layer drop and the legacy curriculum (engine/curriculum.py), DeepSpeed's accessors
+    @property
+    def progressive_layer_drop(self) -> Any:
+        return self.model_schedules.progressive_layer_drop
+
+    @property
+    def curriculum_scheduler_legacy(self) -> Any:
+        return self.model_schedules.curriculum
+
+    def get_pld_theta(self) -> float | None:
+        pld = self.model_schedules.progressive_layer_drop
+        return pld.get_theta() if pld is not None else None
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.model_schedules.curriculum is not None
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
+        """DeepSpeed passes `{metric: fn}` for its data-efficiency curriculum and a plain function for the
+        legacy one; either sets the legacy scheduler's custom difficulty function."""
+        fn = next(iter(schedule_func_dict.values())) if isinstance(schedule_func_dict, dict) else schedule_func_dict
+        if self.model_schedules.curriculum is None:
+            raise ValueError("curriculum_learning: not enabled; set curriculum_learning.enabled and schedule_type custom")
+        self.model_schedules.curriculum.set_custom_get_difficulty(fn)
+
     @property
     def tput_timer(self) -> ThroughputTimer:
         timer = self.__dict__.get("_tput_timer")

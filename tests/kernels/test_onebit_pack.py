@@ -68,3 +68,19 @@ def test_rejects_bad_arguments() -> None:
         onebit_pack(torch.randn(4), torch.zeros(4, dtype=torch.bfloat16), chunk_size=8)
     with pytest.raises(ValueError, match="packed bytes"):
         onebit_unpack(torch.zeros(2, dtype=torch.uint8), torch.ones(1), numel=30, chunk_size=32)
+
+
+@pytest.mark.parametrize(("numel", "chunk_size"), [(8, 8), (48, 16), (4096, 2048), (24 * 40, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_torch_path_is_bit_identical_to_the_reference(numel: int, chunk_size: int, dtype: torch.dtype) -> None:
+    from deepfleet.kernels.onebit_pack import onebit_pack_blocked, onebit_unpack_blocked
+
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g).to(dtype)
+    error = torch.randn(numel, generator=g) * 0.1
+    ref_error, blocked_error = error.clone(), error.clone()
+    packed, scales = onebit_pack_reference(x, ref_error, chunk_size)
+    packed_b, scales_b = onebit_pack_blocked(x, blocked_error, chunk_size)
+    assert torch.equal(packed, packed_b) and torch.equal(scales, scales_b) and torch.equal(ref_error, blocked_error)
+    assert torch.equal(onebit_unpack_blocked(packed, scales, numel, chunk_size, dtype),
+                       onebit_unpack_reference(packed, scales, numel, chunk_size, dtype))

@@ -1,7 +1,8 @@
 """DeepSpeed-style scripts (tests/engine/compat/scripts/, shaped like the public tutorials) run unmodified
-under `deepfleet run` on 2 gloo ranks, and with only their imports changed under plain torchrun, with the
-same losses: the CIFAR classifier, BERT-style pre-training that checkpoints and resumes, and an SFT loop
-on a tiny Hugging Face GPT-2 at ZeRO 0-3."""
+under `deepfleet run` on 2 gloo ranks: the CIFAR classifier (also with only its imports changed under
+plain torchrun, with the same losses) and its MoE variant, BERT-style pre-training that checkpoints and
+resumes, the pipeline-parallelism example, an SFT loop on a tiny Hugging Face GPT-2 at ZeRO 0-3, and a
+Hugging Face Trainer fine-tune with TrainingArguments(deepspeed=...) that saves and resumes."""
 
 from __future__ import annotations
 
@@ -158,3 +159,29 @@ def test_hf_trainer_trains_saves_and_resumes(tmp_path, stage: int) -> None:
     for h in b["log"][3:]:
         assert h["loss"] == pytest.approx(by_step[h["step"]]["loss"], rel=1e-5)
         assert h["learning_rate"] == pytest.approx(by_step[h["step"]]["learning_rate"])
+
+
+@pytest.mark.slow
+def test_cifar_moe_tutorial_runs_unchanged(tmp_path) -> None:
+    cfg = _config(tmp_path, "ds_config.json", {**CIFAR, "zero_optimization": {"stage": 2}})
+    out = tmp_path / "moe.json"
+    _check(deepfleet_run("cifar_ds.py", "--deepspeed", "--deepspeed_config", cfg, "--moe", "--ep-world-size", "2",
+                         "--num-experts", "2", "4", "--top-k", "1", "--noisy-gate-policy", "RSample",
+                         "--moe-param-group", "--epochs", "2", "--out", str(out)))
+    run = json.loads(out.read_text())
+    assert run["world_size"] == 2 and run["steps"] == 2 * 256 // 16
+    first, last = sum(run["losses"][:8]) / 8, sum(run["losses"][-8:]) / 8
+    assert last < first
+
+
+@pytest.mark.slow
+def test_pipeline_example_runs_unchanged(tmp_path) -> None:
+    cfg = _config(tmp_path, "ds_config.json", {
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8}},
+    })
+    out = tmp_path / "pipe.json"
+    _check(deepfleet_run("pipe_ds.py", "--deepspeed_config", cfg, "-p", "2", "--steps", "6", "--out", str(out)))
+    run = json.loads(out.read_text())
+    assert run["first"] and run["steps"] == 6 and len(run["losses"]) == 6
+    assert run["losses"][-1] < run["losses"][0]

@@ -211,3 +211,15 @@ def test_deepspeed_names_and_param_groups() -> None:
     assert len(placed) == 2 and "process_group" not in placed[1]  # ep 1: experts stay data parallel
     with pytest.raises(ValueError, match="used_token"):
         model[1](torch.randn(2, 8), torch.ones(2))
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_bf16_layer_keeps_its_dtype_and_backpropagates(drop: bool) -> None:
+    torch.manual_seed(0)
+    layer = MoE(8, mlp(), num_experts=4, k=2, drop_tokens=drop).to(torch.bfloat16)
+    x = torch.randn(2, 6, 8, dtype=torch.bfloat16, requires_grad=True)
+    out, l_aux, _ = layer(x)
+    assert out.dtype == torch.bfloat16 and l_aux.dtype == torch.float32
+    (out.float().pow(2).sum() + l_aux).backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad.float()).all())
+    assert layer.deepspeed_moe.gate.wg.weight.grad.abs().sum() > 0

@@ -1,6 +1,7 @@
-"""A DeepSpeed CIFAR-10 tutorial-shaped training script (synthetic 32x32 images so it needs no download).
-Written against DeepSpeed's API only: it runs unchanged under `deepfleet run`. Rank 0 writes its losses
-to --out."""
+"""A DeepSpeed CIFAR-10 tutorial-shaped training script (synthetic 32x32 images so it needs no download),
+with the tutorial's MoE variant (`--moe`: fc3 becomes `deepspeed.moe.layer.MoE` layers, MoE param groups
+from `deepspeed.moe.utils`). Written against DeepSpeed's API only: it runs unchanged under `deepfleet run`.
+Rank 0 writes its losses to --out."""
 
 import argparse
 import json
@@ -17,24 +18,52 @@ def add_argument():
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--out", type=str, default=None)
+    parser.add_argument("--moe", default=False, action="store_true")
+    parser.add_argument("--ep-world-size", default=1, type=int)
+    parser.add_argument("--num-experts", type=int, nargs="+", default=[1])
+    parser.add_argument("--mlp-type", type=str, default="standard")
+    parser.add_argument("--top-k", default=1, type=int)
+    parser.add_argument("--min-capacity", default=0, type=int)
+    parser.add_argument("--noisy-gate-policy", default=None, type=str)
+    parser.add_argument("--moe-param-group", default=False, action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, args):
         super().__init__()
         self.conv1 = nn.Conv2d(3, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)
         self.conv2 = nn.Conv2d(6, 16, 5)
         self.fc1 = nn.Linear(16 * 5 * 5, 64)
+        self.moe = args.moe
+        if self.moe:
+            fc3 = nn.Linear(64, 64)
+            self.moe_layer_list = nn.ModuleList([
+                deepspeed.moe.layer.MoE(hidden_size=64, expert=fc3, num_experts=n_e, ep_size=args.ep_world_size,
+                                        use_residual=args.mlp_type == "residual", k=args.top_k,
+                                        min_capacity=args.min_capacity, noisy_gate_policy=args.noisy_gate_policy)
+                for n_e in args.num_experts
+            ])
         self.fc2 = nn.Linear(64, 10)
 
     def forward(self, x):
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         x = torch.flatten(x, 1)
-        return self.fc2(F.relu(self.fc1(x)))
+        x = F.relu(self.fc1(x))
+        if self.moe:
+            for layer in self.moe_layer_list:
+                x, _, _ = layer(x)
+        return self.fc2(x)
+
+
+def create_moe_param_groups(model):
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    parameters = {"params": [p for p in model.parameters()], "name": "parameters"}
+    return split_params_into_different_moe_groups_for_optimizer(parameters)
 
 
 def synthetic_cifar(n=256):
@@ -47,8 +76,10 @@ def synthetic_cifar(n=256):
 args = add_argument()
 deepspeed.init_distributed()
 torch.manual_seed(0)
-net = Net()
+net = Net(args)
 parameters = filter(lambda p: p.requires_grad, net.parameters())
+if args.moe_param_group:
+    parameters = create_moe_param_groups(net)
 model_engine, optimizer, trainloader, __ = deepspeed.initialize(
     args=args, model=net, model_parameters=parameters, training_data=synthetic_cifar()
 )

@@ -1,0 +1,75 @@
+"""The `progressive_layer_drop` and (legacy, top-level) `curriculum_learning` sections, with DeepSpeed's
+keys and defaults; the schedules themselves are `deepfleet.engine.curriculum`. Torch-free."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from deepfleet.engine.config_base import Bool, ConfigSection, Float, Int
+
+
+class ProgressiveLayerDropConfig(ConfigSection):
+    """`progressive_layer_drop`: the keep probability theta(t) = (1 - theta) * exp(-gamma * t) + theta, passed
+    to the model's forward as `progressive_layer_drop=True, pld_theta=theta(t)` (the model drops layers)."""
+
+    enabled: Bool = False
+    """Pass the layer-drop schedule to the model's forward."""
+    theta: Float = Field(1.0, gt=0.0, le=1.0)
+    """The keep probability the schedule decays to (theta-bar)."""
+    gamma: Float = Field(0.001, ge=0.0)
+    """The decay rate per optimizer step."""
+
+
+class CurriculumScheduleConfig(ConfigSection):
+    """`curriculum_learning.schedule_config`: the keys each `schedule_type` reads."""
+
+    total_curriculum_step: Int | None = Field(None, gt=0)
+    """fixed_linear/fixed_root: steps from min to max difficulty."""
+    difficulty_step: Int | None = Field(None, gt=0)
+    """fixed_linear/fixed_root: every difficulty is a multiple of this (8 for fp16 sequence lengths)."""
+    root_degree: Int | None = Field(None, gt=0)
+    """fixed_root: the root's degree (2: square root)."""
+    difficulty: list[Int] | None = None
+    """fixed_discrete: the difficulties, in order."""
+    max_step: list[Int] | None = None
+    """fixed_discrete: the last step of each difficulty but the final one (one fewer than `difficulty`)."""
+
+
+class CurriculumLearningConfig(ConfigSection):
+    """Top-level `curriculum_learning` (DeepSpeed's legacy curriculum): the current difficulty is passed to
+    the model's forward as `curriculum_seqlen=<n>` (the model truncates its sequences to it)."""
+
+    enabled: Bool = False
+    """Pass the curriculum difficulty to the model's forward."""
+    curriculum_type: Literal["seqlen"] = "seqlen"
+    """What the difficulty is: the sequence length."""
+    min_difficulty: Int | None = Field(None, gt=0)
+    """The first difficulty."""
+    max_difficulty: Int | None = Field(None, gt=0)
+    """The last difficulty."""
+    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = None
+    """How the difficulty grows with the optimizer step ("custom": `engine.set_custom_curriculum_learning_schedule`)."""
+    schedule_config: CurriculumScheduleConfig = Field(default_factory=CurriculumScheduleConfig)
+    """The schedule's parameters."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> CurriculumLearningConfig:
+        if not self.enabled:
+            return self
+        missing = [k for k in ("min_difficulty", "max_difficulty", "schedule_type") if getattr(self, k) is None]
+        needs = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
+                 "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
+                 "fixed_discrete": ("difficulty", "max_step"), "custom": ()}
+        missing += [f"schedule_config.{k}" for k in needs.get(self.schedule_type or "custom", ())
+                    if getattr(self.schedule_config, k) is None]
+        if missing:
+            raise ValueError(f"enabled needs {', '.join(missing)}; add them")
+        sc = self.schedule_config
+        if self.schedule_type == "fixed_discrete" and len(sc.difficulty) != len(sc.max_step) + 1:
+            raise ValueError("schedule_config.difficulty: needs one more entry than schedule_config.max_step "
+                             "(the last difficulty holds after the last max_step)")
+        if self.min_difficulty > self.max_difficulty:
+            raise ValueError(f"min_difficulty: {self.min_difficulty} is above max_difficulty {self.max_difficulty}")
+        return self
