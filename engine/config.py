@@ -499,6 +499,11 @@ def load_config(
     data = read_source(source, errors)
     if data is None:
         raise ConfigError(errors)
+    stages = data.get("pipeline", {}).get("stages") if isinstance(data.get("pipeline"), dict) else None
+    if dp_size is None and isinstance(stages, int) and not isinstance(stages, bool) and stages > 0 \
+            and world_size % stages == 0 and stages > 1:
+        # pipeline stages take a share of the ranks (engine/pipe/); the batch is split over the rest
+        label, dp = "data-parallel size", world_size // stages
     _legacy_forms(data, errors)
     _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
     _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)

@@ -5,7 +5,7 @@ Caller: `worker/agent.py` (`child_main`, in every training process). The factory
 the model, the training data set and optionally a loss function. The loop builds the engine with
 `deepfleet.engine.initialize`, resumes from the newest *complete* checkpoint under `checkpoint.dir`
 (model, optimizer, LR schedule, data position and RNG, at any world size), trains to `max_steps`
-optimizer steps, checkpoints every `checkpoint.every_steps` and at the end, posts heartbeats from rank
+optimizer steps (a `PipelineModule` through `engine.train_batch`), checkpoints every `checkpoint.every_steps` and at the end, posts heartbeats from rank
 0 (a `HeartbeatSink` on the engine's step seam), and on a preemption notice checkpoints at the next
 step boundary and exits 75.
 """
@@ -155,16 +155,22 @@ def run_managed(spec: WorkerSpec) -> None:
     watcher = PreemptionWatcher(spec.preemption).install()
     saved_at = engine.global_steps
     batches = _batches(loader)
+    # A PipelineModule (the factory built it with the job's pipeline degree, `pipeline.stages` of the
+    # engine config) trains through the pipeline engine's train_batch; its loss is the module's loss_fn.
+    pipelined = bool(getattr(job.model, "deepfleet_pipeline", False))
     try:
         while engine.global_steps < spec.max_steps:
-            batch = next(batches)
-            out = engine(batch)
-            loss = job.loss_fn(out, batch) if job.loss_fn is not None else out
-            engine.backward(loss)
-            before = engine.global_steps
-            engine.step()
-            if engine.global_steps == before:
-                continue  # not an accumulation boundary
+            if pipelined:  # one optimizer step over gradient_accumulation_steps (inputs, labels) batches
+                engine.train_batch(batches)
+            else:
+                batch = next(batches)
+                out = engine(batch)
+                loss = job.loss_fn(out, batch) if job.loss_fn is not None else out
+                engine.backward(loss)
+                before = engine.global_steps
+                engine.step()
+                if engine.global_steps == before:
+                    continue  # not an accumulation boundary
             step = engine.global_steps
             if spec.checkpoint is not None and spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0:
                 save()

@@ -19,7 +19,9 @@ is agreed over the pipeline; the global gradient norm sums every stage's squares
 What composes, measured here: ZeRO 0, 1, 2 with GPipe, 1F1B, Interleaved1F1B; ZeRO 0 and 1 with the
 split-backward schedules (InterleavedZeroBubble, ZBV, DualPipeV), whose weight gradients accumulate
 outside autograd's hooks, which ZeRO-2's gradient partitioning needs.
-ZeRO-3 with pipelining is refused: the stage's chunks would run outside the FSDP root's unshard hooks.
+ZeRO-3 with pipelining is refused: the stage's chunks run outside the FSDP root's unshard hooks (tried with
+the refusal lifted, pp 2 x dp 2, 1F1B: "aten.mm.default got mixed torch.Tensor and DTensor"); making it
+work means `fully_shard` per chunk and the FSDP chunk as the PipelineStage's module.
 """
 
 from __future__ import annotations

@@ -30,3 +30,11 @@ def slow_gpt(*, sleep_s: float = 0.0, **kwargs: int) -> ManagedJob:
 
 def broken(**kwargs: int) -> ManagedJob:
     raise KeyError("vocab_size missing from the tokenizer config")
+
+
+def pipeline_mlp(*, num_stages: int = 2, num_samples: int = 64) -> ManagedJob:
+    """The pipeline tests' tied MLP as a PipelineModule of `num_stages` stages over (inputs, labels) pairs."""
+    from tests.engine.pipe.pipe_runs import data, make_model
+
+    x, y = data(1, num_samples)[0]
+    return ManagedJob(model=make_model(num_stages), training_data=torch.utils.data.TensorDataset(x, y))

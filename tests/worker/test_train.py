@@ -232,3 +232,15 @@ def test_lost_node_shrinks_the_group_and_resumes_at_the_smaller_world_size(refer
     assert _weights(tmp_path / "ckpt", f"global_step{MAX_STEPS}", tmp_path).keys() == reference["weights"].keys()
     first = min(float(t) for t in re.findall(r"step \d+/\d+ loss [\d.]+ restart 1 t=([\d.]+)", log))
     print(json.dumps({"metric": "node_loss_to_first_step_at_ws1_s", "value": round(first - killed[0], 2)}))
+
+
+@pytest.mark.slow
+def test_managed_loop_trains_a_pipeline(tmp_path: Path) -> None:
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "pipeline": {"stages": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    spec = _spec(tmp_path / "ckpt", entrypoint={"factory": "tests.worker.managed_factories:pipeline_mlp",
+                                                "args": {"num_stages": 2}},
+                 engine_config=config, max_steps=3)
+    code, out = _run(spec)
+    assert code == 0, out
+    assert "done at step 3, checkpoint global_step3" in out

@@ -54,18 +54,24 @@ def full_params(engine: Any) -> dict[str, Any]:
             for k, v in sorted(state.items())}
 
 
-def train(engine: Any, model: MoEGPTWithLoss, *, rank: int, world_size: int, batches: list) -> dict:
-    out: dict[str, Any] = {"losses": [], "aux": [], "norms": [], "counts": []}
+def train(engine: Any, model: MoEGPTWithLoss, *, rank: int, world_size: int, batches: list,
+          gas: int = GAS) -> dict:
+    out: dict[str, Any] = {"losses": [], "aux": [], "norms": [], "counts": [], "step_losses": []}
     for batch in batches:
-        for micro in range(GAS):
+        step = []
+        for micro in range(gas):
             start = (micro * world_size + rank) * MICRO
             loss = engine({k: v[start:start + MICRO] for k, v in batch.items()})
             engine.backward(loss)
             engine.step()
             out["losses"].append(float(loss.detach()))
+            step.append(loss.detach())
             out["aux"].append(float(model.last_aux))
             out["counts"].append([c.tolist() for c in model.last_counts])
         out["norms"].append(engine.get_global_grad_norm())
+        mean = torch.stack(step).mean()
+        dist.all_reduce(mean)
+        out["step_losses"].append(float(mean) / world_size)  # the global batch's mean loss
     return out
 
 
@@ -125,3 +131,27 @@ def parity4_run(rank: int, world_size: int) -> dict:
 @functools.cache
 def parity4() -> list[dict]:
     return spawn(parity4_run, 4, timeout=600)
+
+
+def _fixed_batch_config(stage: int) -> dict:
+    """config(stage) with the global batch fixed (8 samples), so the accumulation steps follow the world size."""
+    cfg = config(stage)
+    del cfg["gradient_accumulation_steps"]
+    return {**cfg, "train_batch_size": MICRO * GAS * 2}
+
+
+def world_run(rank: int, world_size: int, ckpt: str, steps: tuple[int, int], ep_size: int) -> dict:
+    """Resume from `ckpt` if it holds a checkpoint, train global batches steps[0]..steps[1] (8 samples
+    each, split over however many ranks run), then checkpoint."""
+    import deepfleet.engine as deepspeed
+
+    gas = MICRO * GAS * 2 // (MICRO * world_size)
+    batches = global_batches(2)[steps[0]:steps[1]]  # the 2-rank run's global batches, whatever the world
+    torch.manual_seed(7 + steps[0])
+    model = MoEGPTWithLoss(MODEL, MoEArgs(num_experts=4, ep_size=ep_size, min_capacity=2, **ROUTING[2]))
+    engine, _, _, _ = deepspeed.initialize(model=model, config=_fixed_batch_config(2))
+    if steps[0]:
+        engine.load_checkpoint(ckpt)
+    out = train(engine, model, rank=rank, world_size=world_size, batches=batches, gas=gas)
+    engine.save_checkpoint(ckpt)
+    return {"step_losses": out["step_losses"], "global_steps": engine.global_steps}

@@ -103,3 +103,18 @@ def test_ep2_equals_ep1_on_4_ranks(stage: int) -> None:
     a, b = _merged(runs, (stage, 1)), _merged(runs, (stage, 2))
     for name in a:
         np.testing.assert_allclose(b[name], a[name], atol=5e-4, err_msg=name)
+
+
+@pytest.mark.slow
+def test_resume_at_another_world_size_and_ep_size(tmp_path) -> None:
+    """Saved on 2 ranks at ep_size 2, resumed on 4 ranks at ep_size 4 (and back on 2 at ep_size 1), the
+    global-batch loss follows the uninterrupted 2-rank run."""
+    from tests.engine.moe.moe_runs import world_run
+
+    whole = spawn(world_run, 2, str(tmp_path / "whole"), (0, 5), 2)[0]["step_losses"]
+    ckpt = str(tmp_path / "moving")
+    first = spawn(world_run, 2, ckpt, (0, 2), 2)[0]
+    wide = spawn(world_run, 4, ckpt, (2, 4), 4)[0]
+    back = spawn(world_run, 2, ckpt, (4, 5), 1)[0]
+    assert back["global_steps"] == 5
+    np.testing.assert_allclose(first["step_losses"] + wide["step_losses"] + back["step_losses"], whole, atol=5e-5)

@@ -163,3 +163,13 @@ def test_partition_by_parameters_and_by_measured_time() -> None:
     assert profiled.parts == [0, 6]
     with pytest.raises(ValueError, match="^profile_input: partition_method='profile' needs"):
         R.PipelineModule(R.layers(tied=False), num_stages=1, partition_method="profile")
+
+
+def test_batch_arithmetic_leaves_the_pipeline_stages_out_of_data_parallelism() -> None:
+    from deepfleet.engine.config import load_config
+
+    # what job-spec validation runs (no process group): 4 ranks, 2 stages -> data-parallel size 2
+    cfg = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": 2}},
+                      world_size=4)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (16, 4)
+    assert load_config({"train_micro_batch_size_per_gpu": 2, "pipeline": {"stages": "auto"}}).pipeline.stages is None
