@@ -94,7 +94,13 @@ def build_training(
     #    expert-data-parallel group they reduce over (moe/utils.py); every strategy reads that key.
     groups = place_expert_param_groups(groups)
 
-    # 3. The sharding strategy wraps the model (DDP, our partitioning, or FSDP2).
+    # 3. The gradient compression policy is installed in engine/comm.py (or cleared, so an earlier engine's
+    #    does not leak into this one) before the strategy: ZeRO-3 sets FSDP2's reduce-scatter hook by it, and
+    #    every strategy's gradient reductions go through it from the first step.
+    comm_policy = _comm_policy(config)
+    comm.set_gradient_policy(comm_policy)
+
+    # 3b. The sharding strategy wraps the model (DDP, our partitioning, or FSDP2).
     #    `strategy` replaces the stage's class (the pipeline engine's stage 0, engine/pipe/replicated.py).
     sharding = (strategy or strategy_class(config.zero_optimization.stage))(
         model,
@@ -117,10 +123,6 @@ def build_training(
     # 7. The FLOPs profiler counts the wrapped model (what forward runs) and needs the compute dtype for
     #    the peak; it fills in each step's flops/MFU before the sinks see the record.
     flops = StepFlops.build(model, config, rank=comm.get_rank(), dtype=precision.compute_dtype)
-    # 8. The gradient compression policy is installed in engine/comm.py (or cleared, so an earlier engine's
-    #    does not leak into this one); the strategies' gradient reductions go through it from the first step.
-    comm_policy = _comm_policy(config)
-    comm.set_gradient_policy(comm_policy)
     # 9. MoE gates with auxiliary-loss-free balancing update their biases at each step boundary.
     sinks = [*bias_balancers(model, process_group=process_group), *step_sinks(config)]
     return Training(precision, sharding, opt, scheduler, sinks=sinks, compression=compression,

@@ -291,6 +291,19 @@ def all_reduce_gradients(tensor, group=None, async_op: bool = False):
     return all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def gradient_policy():  # noqa: ANN201 - the installed policy object, or None
+    """The installed gradient compression policy (None without one)."""
+    return _GRADIENT_POLICY[0]
+
+
+def compressed_reduce_scatter(output_tensor, tensor, group=None) -> bool:
+    """SUM-reduce-scatter through the installed compression policy when it takes the buffer (done on
+    return: True); False when there is none or it declines, and the caller reduces itself. ZeRO-3's
+    FSDP2 reduce-scatter hook (zero/fsdp_collectives.py) asks this first."""
+    policy = _GRADIENT_POLICY[0]
+    return policy is not None and policy.reduce_scatter_into(output_tensor, tensor, group=group) is not None
+
+
 def reduce_scatter_gradients(output_tensor, tensor, group=None, async_op: bool = False):
     """SUM-reduce-scatter a flat gradient buffer, compressed when the installed policy takes it."""
     policy = _GRADIENT_POLICY[0]

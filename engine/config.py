@@ -40,7 +40,7 @@ from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model
 
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
-from deepfleet.engine.config_communication import CommunicationConfig, stage_problem
+from deepfleet.engine.config_communication import CommunicationConfig
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_curriculum import CurriculumLearningConfig, ProgressiveLayerDropConfig
 from deepfleet.engine.config_keys import check_keys
@@ -182,7 +182,6 @@ class DeepFleetConfig(ConfigSection):
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
-        problems += stage_problem(self.communication, self.zero_optimization.stage)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -1,5 +1,6 @@
 """The `communication` config section (deepfleet's own key): compression of the data-parallel gradient
-reduction of every ZeRO strategy that reduces flat buffers (stages 0, 1 and 2), and its convergence guard.
+reduction of every ZeRO stage (0, 1 and 2 through their flat buffers, 3 through FSDP2's reduce-scatter hook),
+and its convergence guard.
 
 Read by `engine/build.py`, which builds `engine/gradcomp/policy.py`'s policy from it. Torch-free, beside
 config.py for the reason config_zero.py is (the controller validates engine configs).
@@ -43,13 +44,3 @@ class CommunicationConfig(ConfigSection):
     """Carry what quantization dropped into the next step's reduction of the same bucket."""
     guard: GuardConfig = Field(default_factory=GuardConfig)
     """The convergence guard."""
-
-
-def stage_problem(section: CommunicationConfig, stage: int) -> list[str]:
-    """The error line for compression at a stage whose reduction it cannot reach (stage 3: FSDP2)."""
-    if section.compression != "none" and stage == 3:
-        return [
-            "communication.compression: not supported at zero_optimization.stage 3 yet (FSDP2 reduces its own "
-            'buckets); use stage 0, 1 or 2, or set compression to "none"'
-        ]
-    return []

@@ -35,9 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from deepfleet.engine import comm
 from deepfleet.engine.blocks import shard_units
 from deepfleet.engine.moe.groups import expert_groups, moe_layers
-from deepfleet.engine.zero.fsdp_collectives import RingReduceScatter
+from deepfleet.engine.zero.fsdp_collectives import CompressedReduceScatter, RingReduceScatter
 from deepfleet.engine.zero.gradients import any_nonfinite, clip_to_norm_, split_global_norm
 
 
@@ -85,9 +86,13 @@ class FSDPStrategy:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if dist.get_backend(self._group) == "gloo":
-            # Gloo's reduce-scatter is 3.5x slower than a ring of sends (see zero/fsdp_collectives.py).
+            # Gloo's reduce-scatter is 3.5x slower than a ring of sends (see zero/fsdp_collectives.py);
+            # the hook also hands the buffer to a gradient compression policy first.
             for unit in [*units, model]:
                 unit.set_custom_reduce_scatter(RingReduceScatter())
+        elif comm.gradient_policy() is not None:  # installed by build.py before the strategy is built
+            for unit in [*units, model]:
+                unit.set_custom_reduce_scatter(CompressedReduceScatter())
         self.module = model
         self.local_accumulation = bool(getattr(zero_config, "deepfleet_local_grad_accumulation", False))
         self._params = dict(model.named_parameters())

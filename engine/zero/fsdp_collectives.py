@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from deepfleet.engine import comm
+from deepfleet.engine.comm import compressed_reduce_scatter, reduce_scatter_tensor
 
 _TAG = 0x5253  # keeps these sends apart from any other point-to-point traffic on the same group
 
@@ -81,5 +82,32 @@ class RingReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> None:
         # FSDP2 issues its reduce-scatter synchronously; an async request is served synchronously
-        # too (the returned None tells FSDP2 there is nothing to wait for).
+        # too (the returned None tells FSDP2 there is nothing to wait for). A gradient compression policy
+        # (`communication` section, engine/gradcomp/) takes the buffer first: FSDP2's layout is rank-major,
+        # so rank r's chunk of the flat buffer is its shard, which is the policy's reduce-scatter layout.
+        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and compressed_reduce_scatter(
+                output_tensor, input_tensor, group=group):
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(dist.get_world_size(group))
+            return
         ring_reduce_scatter(output_tensor, input_tensor, group=group, op=op)
+
+
+class CompressedReduceScatter(RingReduceScatter):
+    """The hook on backends other than gloo when a compression policy is installed: the policy's
+    compressed reduce-scatter, else the backend's own `reduce_scatter_tensor`."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> None:
+        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and compressed_reduce_scatter(
+                output_tensor, input_tensor, group=group):
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(dist.get_world_size(group))
+            return
+        reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
