@@ -42,6 +42,7 @@ def browser(tmp_path: Path):
 
 @pytest.mark.slow
 def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, tmp_path: Path) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -49,7 +50,8 @@ def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, t
     from tests.controller.conftest import ADMIN_TOKEN
 
     c = Controller(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "data", worker_command=FAKE_WORKER)
-    wait = WebDriverWait(browser, 20)
+    # the list and job pages re-render on every poll: an element read between two renders is stale, not wrong
+    wait = WebDriverWait(browser, 20, ignored_exceptions=(StaleElementReferenceException,))
     try:
         browser.get(c.url + "/")
         wait.until(ec.presence_of_element_located((By.ID, "token"))).send_keys(ADMIN_TOKEN)
@@ -73,8 +75,7 @@ def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, t
         spec_box.send_keys(yaml.safe_dump(good))
         browser.find_element(By.ID, "submit").click()
         wait.until(lambda d: not d.find_element(By.ID, "errors").is_displayed())
-        row = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#jobs tbody tr")))
-        assert "web-good" in row.text
+        wait.until(lambda d: "web-good" in d.find_element(By.CSS_SELECTOR, "#jobs tbody tr").text)
         wait.until(lambda d: "SUCCEEDED" in d.find_element(By.CSS_SELECTOR, "#jobs tbody tr").text)
 
         # the job page: events, log tail and the heartbeat plot
@@ -113,6 +114,7 @@ def test_submit_shows_errors_inline_and_valid_jobs_appear_in_the_list(browser, t
 
 
 def test_the_page_runs_under_its_csp_and_keeps_the_token_in_this_tab_only(browser, tmp_path: Path) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -120,7 +122,8 @@ def test_the_page_runs_under_its_csp_and_keeps_the_token_in_this_tab_only(browse
     from tests.controller.conftest import ADMIN_TOKEN
 
     c = Controller(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "data", worker_command=FAKE_WORKER)
-    wait = WebDriverWait(browser, 20)
+    # the list and job pages re-render on every poll: an element read between two renders is stale, not wrong
+    wait = WebDriverWait(browser, 20, ignored_exceptions=(StaleElementReferenceException,))
     try:
         browser.get(c.url + "/")
         browser.execute_script("localStorage.setItem('deepfleet.token', 'left-by-an-older-page')")
