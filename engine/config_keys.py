@@ -79,7 +79,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "data_efficiency": _OFF,
     "amp": _OFF,
     "elasticity": _OFF,
-    "aio": _SECTION,
     "autotuning": _OFF,
     "eigenvalue": _OFF,
     "quantize_training": _OFF,
