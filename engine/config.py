@@ -42,7 +42,11 @@ from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float
 from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
 from deepfleet.engine.config_communication import CommunicationConfig
 from deepfleet.engine.config_compression import CompressionConfig
-from deepfleet.engine.config_curriculum import CurriculumLearningConfig, ProgressiveLayerDropConfig
+from deepfleet.engine.config_curriculum import (
+    CurriculumLearningConfig,
+    EigenvalueConfig,
+    ProgressiveLayerDropConfig,
+)
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
@@ -160,6 +164,8 @@ class DeepFleetConfig(ConfigSection):
     """Progressive layer drop: the keep-probability schedule passed to the model (engine/curriculum.py)."""
     curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """DeepSpeed's legacy sequence-length curriculum passed to the model (engine/curriculum.py)."""
+    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+    """Block Hessian eigenvalues by power iteration at accumulation boundaries (engine/eigenvalue.py)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
@@ -182,6 +188,9 @@ class DeepFleetConfig(ConfigSection):
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
+        if self.eigenvalue.enabled and self.zero_optimization.stage == 3:
+            problems.append("eigenvalue.enabled: block eigenvalues need twice-differentiable parameters, which "
+                            "ZeRO stage 3's gathers are not; use zero_optimization.stage 0, 1 or 2, or disable it")
         if problems:
             raise ValueError("\n".join(problems))
         return self
