@@ -47,6 +47,7 @@ from deepfleet.engine.config_curriculum import (
     EigenvalueConfig,
     ProgressiveLayerDropConfig,
 )
+from deepfleet.engine.config_data_efficiency import DataEfficiencyConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
@@ -164,6 +165,8 @@ class DeepFleetConfig(ConfigSection):
     """Progressive layer drop: the keep-probability schedule passed to the model (engine/curriculum.py)."""
     curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """DeepSpeed's legacy sequence-length curriculum passed to the model (engine/curriculum.py)."""
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """DeepSpeed's data efficiency: random layerwise token dropping (engine/data_routing.py)."""
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
     """Block Hessian eigenvalues by power iteration at accumulation boundaries (engine/eigenvalue.py)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -68,6 +68,10 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.training_dataloader = training_dataloader
         # progressive layer drop / legacy curriculum: keywords for the model's forward (engine/curriculum.py)
         self.model_schedules = ModelSchedules(config)
+        self.random_ltd_scheduler = None  # random-LTD (engine/data_routing.py), when configured
+        self._token_drop_hooks = None
+        if config.data_efficiency.random_ltd() is not None:
+            self._build_random_ltd(config)
         self.global_steps = 0  # boundary steps taken, skipped (fp16 overflow) ones included
         self.global_samples = 0
         self.micro_steps = 0
@@ -100,11 +104,45 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
             self._recorder.micro_batch(args, kwargs)
         kwargs = {**kwargs, **self.model_schedules.forward_kwargs(
             next_step=self.global_steps + 1, training=self.module.training)}
+        if self.random_ltd_scheduler is not None:  # one draw of kept tokens per micro-batch
+            self.random_ltd_scheduler.new_micro_batch(self.micro_steps)
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
         with self._recorder.timed("forward"), self._counting("forward"), self._eigenvalue_forward():
             out = self.sharding.module(*args, **kwargs)
         self.memory.sample("forward")
         return out
+
+    # --- random-LTD (DeepSpeed's data_efficiency.data_routing.random_ltd) -----------------------------
+
+    def _build_random_ltd(self, config: Any) -> None:
+        from deepfleet.engine import data_routing
+
+        section = config.data_efficiency.random_ltd()
+        self.random_ltd_scheduler = data_routing.RandomLTDScheduler(
+            section, global_batch_size=config.train_batch_size, seed=config.data_efficiency.seed,
+            rank=self.parallel.dp_rank)
+        self.model_schedules.random_ltd = self.random_ltd_scheduler
+        if any(isinstance(m, data_routing.RandomLayerTokenDrop) for m in self.module.modules()):
+            data_routing.bind_wrappers(self.module, self.random_ltd_scheduler)
+        else:  # hooks on the listed blocks: the model itself is not rewritten
+            self._token_drop_hooks = data_routing.TokenDropHooks(
+                self.random_ltd_scheduler, data_routing.layers_to_drop(self.module, section))
+
+    def random_ltd_enabled(self) -> bool:
+        return self.random_ltd_scheduler is not None
+
+    def random_ltd_initialize(self) -> None:
+        """DeepSpeed's call after `convert_to_random_ltd`: bind the model's RandomLayerTokenDrop wrappers to
+        the scheduler (replacing the engine's own hooks)."""
+        from deepfleet.engine import data_routing
+
+        if self.random_ltd_scheduler is None:
+            raise ValueError("data_efficiency.data_routing.random_ltd: not enabled; enable data_efficiency, "
+                             "data_routing and random_ltd in the config")
+        if self._token_drop_hooks is not None:
+            self._token_drop_hooks.remove()
+            self._token_drop_hooks = None
+        data_routing.bind_wrappers(self.module, self.random_ltd_scheduler)
 
     def _eigenvalue_due(self) -> bool:
         return (self.eigenvalue is not None and torch.is_grad_enabled() and self.is_gradient_accumulation_boundary()
