@@ -112,6 +112,9 @@ ENGINE_COMMANDS: tuple[tuple[str, str, str], ...] = (
      "Inspect checkpoints or export weights to safetensors (`deepfleet checkpoint --help` for more)."),
     ("serve", "deepfleet.engine.inference.serve_cli",
      "Serve a checkpoint at an OpenAI-compatible /v1/completions (`deepfleet serve --help` for more)."),
+    ("plan", "deepfleet.engine.planner.cli",
+     "Per-rank peak memory and step-time factors of each ZeRO stage, offload and checkpointing choice "
+     "(`deepfleet plan --help` for more)."),
     ("run", "deepfleet.engine.compat.run_cli",
      "Run an unmodified DeepSpeed/torchrun script on deepfleet (`deepfleet run --help` for more)."),
 )
