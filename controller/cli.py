@@ -136,12 +136,15 @@ def _register_engine_command(name: str, module: str, help_text: str) -> None:
 
 
 def _run_torch_module(module: str, args: list[str]) -> None:
-    """Run an engine command line as its own process and exit with its status: the CLI stays torch-free
-    (import contract)."""
-    import subprocess
+    """Replace this process by the engine command line (the CLI stays torch-free: import contract). An
+    exec, not a child process: signals (a supervisor's SIGTERM) reach the command itself, and no child
+    outlives the CLI."""
+    import os
     import sys
 
-    raise typer.Exit(subprocess.call([sys.executable, "-m", module, *args]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
 for _name, _module, _help in ENGINE_COMMANDS:
