@@ -20,7 +20,8 @@ class AutotuningConfig(ConfigSection):
     """`autotuning`: what `deepfleet tune` searches and how it measures."""
 
     enabled: Bool = False
-    """Turn the tuner on for this config (`deepfleet tune` asks for it, or pass `--enable`)."""
+    """The tuner is on for this config: `deepfleet tune` refuses a config whose section sets it false
+    (a config without the section tunes with the defaults). A training run trains as usual either way."""
     fast: Bool = True
     """true: tune the micro-batch size per ZeRO stage (offload and checkpointing only where nothing fits
     without them); false: the whole stage x offload x checkpointing x micro-batch grid."""

@@ -246,6 +246,9 @@ def tune(config: dict[str, Any] | str | Path, model_factory: str, *, world_size:
         raise ConfigError(errors)
     cfg = load_config(base, world_size=world_size)
     at = cfg.autotuning
+    if "autotuning" in base and not at.enabled:
+        raise ConfigError(['autotuning.enabled: false turns the tuner off for this config; set "enabled": true '
+                           "or drop the section to tune with its defaults"])
     prof = profile or profile_model(model_factory, factory_kwargs)
     budget = budget_gib * GIB if budget_gib is not None else None
     exps, pruned = experiments(prof, base, world_size=world_size, budget_bytes=budget, accelerator=accelerator)

@@ -124,6 +124,14 @@ def test_bad_autotuning_keys_are_one_line_each() -> None:
     assert any("end_profile_step" in line and "\n" not in line for line in err.value.errors)
 
 
+def test_a_section_with_enabled_false_is_refused_by_name(tmp_path: Path) -> None:
+    base = _base(tmp_path)
+    base["autotuning"]["enabled"] = False
+    with pytest.raises(ConfigError) as err:
+        tune(base, MODEL, world_size=2, budget_gib=1.0, runner=lambda e, s: {}, profile=_profile())
+    assert err.value.errors[0].startswith("autotuning.enabled:")
+
+
 @pytest.mark.slow
 def test_real_trials_measure_tokens_per_second(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
