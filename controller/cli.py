@@ -115,6 +115,9 @@ ENGINE_COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("plan", "deepfleet.engine.planner.cli",
      "Per-rank peak memory and step-time factors of each ZeRO stage, offload and checkpointing choice "
      "(`deepfleet plan --help` for more)."),
+    ("tune", "deepfleet.engine.planner.tune_cli",
+     "Choose ZeRO stage, micro-batch and offload for the most tokens/s within a memory budget; writes the "
+     "winning ds_config (`deepfleet tune --help` for more)."),
     ("run", "deepfleet.engine.compat.run_cli",
      "Run an unmodified DeepSpeed/torchrun script on deepfleet (`deepfleet run --help` for more)."),
 )

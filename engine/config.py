@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
+from deepfleet.engine.config_autotuning import AutotuningConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
 from deepfleet.engine.config_communication import CommunicationConfig
@@ -173,6 +174,8 @@ class DeepFleetConfig(ConfigSection):
     """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """`torch.compile` of the wrapped model (engine/config_checkpoint.py)."""
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """What `deepfleet tune` searches and how it measures (engine/config_autotuning.py, engine/planner/tune.py)."""
     sparse_attention: SparseAttentionConfig | None = None
     """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
     sequence_parallel_size: Int = Field(1, gt=0)

@@ -82,7 +82,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "amp": _OFF,
     "elasticity": _OFF,
     "aio": _SECTION,
-    "autotuning": _OFF,
     "quantize_training": _OFF,
     # gradients accumulate in fp32 (the strategies' buffers and FSDP2's reduce dtype), so only that is accepted
     "data_types": Unsupported(_all_off({"grad_accum_dtype": (None, "fp32")}),

@@ -116,6 +116,7 @@ class Built:
     sample: Any = None
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     collate_fn: Callable[[list[Any]], Any] | None = None
+    training_data: Any = None
 
 
 def build(factory: Callable[..., Any], kwargs: Mapping[str, Any] | None = None, *, device: str = "meta") -> Built:
@@ -133,7 +134,8 @@ def build(factory: Callable[..., Any], kwargs: Mapping[str, Any] | None = None, 
                          "return a module or an object with `model` (and `training_data`)")
     data = get("training_data")
     sample = data[0] if data is not None and len(data) else None
-    return Built(model=model, sample=sample, loss_fn=get("loss_fn"), collate_fn=get("collate_fn"))
+    return Built(model=model, sample=sample, loss_fn=get("loss_fn"), collate_fn=get("collate_fn"),
+                 training_data=data)
 
 
 def _on_cpu(x: Any) -> Any:
