@@ -90,13 +90,13 @@ def test_all_errors_are_collected_one_line_each() -> None:
         "fp16": {"enabled": True},
         "bf16": {"enabled": True},
         "gradient_clip": 1.0,
-        "autotuning": {"enabled": True},
+        "elasticity": {"enabled": True},
         "optimizer": {"type": "adam", "params": {"lr": "auto", "momentum": 0.9}},
         "zero_optimization": {"stage": 5, "reduce_bucket_size": -1},
         "steps_per_print": "10",
     })
     assert errors == [  # sorted by key
-        'autotuning: not supported yet; drop the section or set "enabled": false',
+        'elasticity: not supported yet; drop the section or set "enabled": false',
         "fp16.enabled: fp16 and bf16 are both enabled; enable only one of them",
         "gradient_clip: unknown key; did you mean gradient_clipping? remove or rename it",
         "optimizer.params.lr: 'auto' cannot be resolved by the engine; set a number",
