@@ -71,7 +71,7 @@ from deepfleet.engine.config_optim import (
 from deepfleet.engine.config_pipeline import PipelineConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
-from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
+from deepfleet.engine.config_zero import AioConfig, ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
 
@@ -128,6 +128,8 @@ class DeepFleetConfig(ConfigSection):
     """Clip the global gradient L2 norm to this value; 0 disables clipping (the norm is still computed)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO partitioning of model states."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """File I/O of NVMe offload (`zero_optimization.offload_optimizer.device: nvme`)."""
     steps_per_print: Int | None = Field(None, gt=0)
     """Log progress every this many optimizer steps; unset = never."""
     wall_clock_breakdown: Bool = False
