@@ -136,10 +136,30 @@ class _Buffers:
             self._cv.notify()
 
 
+def _offloaded_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+    self._opt_called = True  # what torch's LR schedulers' own step wrapper records
+    return self._deepfleet_nvme.step(closure)
+
+
+def _install_step(optimizer: torch.optim.Optimizer, offload: NvmeOptimizerOffload) -> Any:
+    """Route `optimizer.step` through `offload` and return the optimizer's own step.
+
+    The optimizer's class is swapped for a subclass whose `step` is the chunked one (not an instance
+    attribute: torch's LR schedulers re-bind `type(opt).step`'s function to the optimizer). An instance
+    `step` set before (a scheduler built on the user's optimizer) is dropped, or it would bypass this."""
+    cls = type(optimizer)
+    own = cls.step.__get__(optimizer, cls)
+    optimizer.__dict__.pop("step", None)
+    optimizer._deepfleet_nvme = offload  # type: ignore[attr-defined]
+    optimizer.__class__ = type(cls.__name__, (cls,), {"step": _offloaded_step, "__module__": cls.__module__,
+                                                      "__qualname__": cls.__qualname__})
+    return own
+
+
 class NvmeOptimizerOffload:
     """Keeps `optimizer`'s per-element state in chunk files between steps (see the module docstring).
 
-    `optimizer.step` is replaced on the instance by the chunked step. While `resident` (between
+    `optimizer.step` becomes the chunked step (`_install_step`). While `resident` (between
     `materialize()` and `offload_all()`), the state is in memory and `step` is the optimizer's own."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, section: Any, aio: Any, *, chunk_elements: int,
@@ -164,8 +184,7 @@ class NvmeOptimizerOffload:
         self.scalars: dict[int, dict[str, Any]] = {}  # tensor -> state kept in memory (step)
         self._writes: dict[int, Future] = {}
         self.resident = False
-        self._step = optimizer.step
-        optimizer.step = self.step  # type: ignore[method-assign]
+        self._step = _install_step(optimizer, self)
         self.bytes_read = 0
         self.bytes_written = 0
         directory.mkdir(parents=True, exist_ok=True)

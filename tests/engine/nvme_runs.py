@@ -22,6 +22,7 @@ def _config(stage: int, nvme: str | None) -> dict:
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}},
         "zero_optimization": zero,
         "aio": {"block_size": 4096, "queue_depth": 2, "thread_count": 2},
     }

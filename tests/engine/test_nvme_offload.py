@@ -88,9 +88,11 @@ def test_nvme_chunks_step_exactly_like_the_plain_optimizer(tmp_path: Path) -> No
         plain_t = [t.clone() for t in ref]
         plain = torch.optim.AdamW(plain_t, lr=1e-2, amsgrad=True)
         opt = torch.optim.AdamW(mine, lr=1e-2, amsgrad=True)
+        plain_lr = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
         section = SimpleNamespace(buffer_count=2, pipeline_read=pipeline, pipeline_write=pipeline)
         off = NvmeOptimizerOffload(opt, section, AioConfig(block_size=4096, queue_depth=1, thread_count=2),
                                    chunk_elements=15, directory=tmp_path / f"p{pipeline}")
+        lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # re-binds type(opt).step
         assert len(off.chunks) == 2
         for step in range(3):
             g = torch.Generator().manual_seed(step)
@@ -99,8 +101,11 @@ def test_nvme_chunks_step_exactly_like_the_plain_optimizer(tmp_path: Path) -> No
                 b.grad = a.grad.clone()
             opt.step()
             plain.step()
+            lr.step()
+            plain_lr.step()
             assert all(torch.equal(a, b) for a, b in zip(mine, plain_t, strict=True))
             assert not opt.state  # between steps the state is in the files
+        assert isinstance(opt, torch.optim.AdamW)
         off.materialize()
         for a, b in zip(mine, plain_t, strict=True):
             for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):
