@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from deepfleet.engine.config_base import Bool, ConfigSection, Int
+from deepfleet.engine.config_base import Bool, ConfigSection, Float, Int
 
 
 class AutotuningConfig(ConfigSection):
@@ -57,6 +57,10 @@ class AutotuningConfig(ConfigSection):
     """Where each experiment's config and measured metric are written."""
     overwrite: Bool = True
     """Run experiments again even when exps_dir holds their results (false: reuse them)."""
+    deepfleet_budget_gib: Float | None = Field(None, gt=0)
+    """deepfleet's own key (not DeepSpeed's): the per-rank memory budget in GiB when a job's managed
+    training loop tunes itself before training (`deepfleet tune` takes `--budget-gib`); unset = no
+    budget (the planner prunes nothing)."""
 
     @model_validator(mode="after")
     def _steps_in_order(self) -> AutotuningConfig:

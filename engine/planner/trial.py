@@ -8,7 +8,8 @@ EXP.json: {"config": ds_config, "model": "pkg.mod:function", "model_args": {...}
 timed (each an optimizer step of gradient_accumulation_steps micro-steps). Rank 0 writes
 {"throughput": tokens/s, "latency": s per step, "flops": 6 x params x tokens/s, "samples_per_s",
 "peak_model_state_bytes"} to metric_path, written to a temporary name and renamed, so a killed trial
-leaves no metric behind.
+leaves no metric behind. `measure` is the same trial on the caller's process group: the managed
+training loop tunes a job in-process with it (`tune.inprocess_runner`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepfleet.engine.planner.profile import build, resolve_factory
+from deepfleet.engine.planner.profile import Built, build, resolve_factory
 
 
 def _tokens(batch: Any, samples: int) -> int:
@@ -32,24 +33,32 @@ def _tokens(batch: Any, samples: int) -> int:
 
 
 def run(exp: dict[str, Any]) -> dict[str, Any] | None:
+    """Build the experiment's model and measure it (rank 0 gets the metric, other ranks None)."""
+    built = build(resolve_factory(exp["model"]), exp.get("model_args") or {}, device="cpu")
+    metric = measure(built, exp["config"], start=int(exp["start_profile_step"]), end=int(exp["end_profile_step"]))
+    return metric if dist.get_rank() == 0 else None
+
+
+def measure(built: Built, config: dict[str, Any], *, start: int, end: int) -> dict[str, Any]:
+    """Train `built` with `config` for steps 1..end on the current process group, timing start..end.
+    Every rank returns the same metric (times are the slowest rank's), so ranks that tune in-process
+    take the same decisions."""
     import deepfleet.engine as deepfleet
 
-    built = build(resolve_factory(exp["model"]), exp.get("model_args") or {}, device="cpu")
-    config = exp["config"]
+    data = built.training_data
+    if data is None:
+        raise ValueError("the factory gave no training_data; return `model` and `training_data`")
     engine, *_ = deepfleet.initialize(model=built.model, model_parameters=built.model.parameters(),
                                       config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = int(config["train_micro_batch_size_per_gpu"])
     gas = int(config.get("gradient_accumulation_steps", 1))
-    data = built.training_data
-    if data is None:
-        raise ValueError(f"{exp['model']}: the factory gave no training_data; return `model` and `training_data`")
     collate = built.collate_fn or torch.utils.data.default_collate
-    start, end = int(exp["start_profile_step"]), int(exp["end_profile_step"])
     timed = tokens = samples = 0
     t0 = 0.0
     for step in range(1, end + 1):
         if step == start:
+            dist.barrier()
             t0 = time.perf_counter()
         for micro_step in range(gas):
             lo = ((step * gas + micro_step) * world + rank) * micro
@@ -63,15 +72,13 @@ def run(exp: dict[str, Any]) -> dict[str, Any] | None:
                 samples += micro * world
         if step >= start:
             timed += 1
-    elapsed = time.perf_counter() - t0
+    stats = torch.tensor([time.perf_counter() - t0, float(engine.peak_model_state_bytes)], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    elapsed, peak = float(stats[0]), float(stats[1])
     params = sum(p.numel() for p in built.model.parameters())
-    peak = torch.tensor([float(engine.peak_model_state_bytes)])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank != 0:
-        return None
     tps = tokens / elapsed
     return {"throughput": tps, "latency": elapsed / timed, "flops": 6.0 * params * tps,
-            "samples_per_s": samples / elapsed, "steps_timed": timed, "peak_model_state_bytes": peak.item()}
+            "samples_per_s": samples / elapsed, "steps_timed": timed, "peak_model_state_bytes": peak}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -232,13 +232,65 @@ def subprocess_runner(*, model: str, model_args: Mapping[str, Any], world_size: 
     return run
 
 
+def inprocess_runner(make: Callable[[], Any], *, start: int, end: int) -> Runner:
+    """Measure each experiment on the caller's process group (every rank calls it, in the same order):
+    `make()` builds a fresh `profile.Built` (model and data) per trial. How a job tunes itself inside
+    its own processes (the managed loop, `worker/train.py`)."""
+    import gc
+
+    from deepfleet.engine.planner.trial import measure
+
+    def run(exp: Experiment, _: dict[str, Any]) -> dict[str, Any]:
+        metric = measure(make(), exp.config, start=start, end=end)
+        gc.collect()  # the trial's engine and model go before the next one is built
+        return metric
+
+    return run
+
+
+def tune_job(config: dict[str, Any], make: Callable[[], Any], *, model_factory: str, world_size: int,
+             write: bool) -> dict[str, Any]:
+    """The managed loop's tuning: the winning config for a job whose engine config enables `autotuning`,
+    tuned in-process on the job's ranks (`autotuning.deepfleet_budget_gib` is the per-rank budget). A
+    winner already in results_dir (an earlier attempt's) is used as it is, so restarts and resumes train
+    with the same config. Only the rank with `write` writes files."""
+    import torch.distributed as dist
+
+    cfg = load_config(config, world_size=world_size)
+    at = cfg.autotuning
+    optimal = Path(at.results_dir) / "ds_config_optimal.json"
+    # The writing rank decides for all (results_dir may be on its node only).
+    found = [json.loads(optimal.read_text()) if write and optimal.exists() else None]
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        return found[0]
+    built = make()
+    result = tune(config, model_factory, world_size=world_size, budget_gib=at.deepfleet_budget_gib,
+                  runner=inprocess_runner(make, start=at.start_profile_step, end=at.end_profile_step),
+                  profile=profile_from_built(built), write=write)
+    best = [result.best.config if result.best else None]
+    dist.broadcast_object_list(best, src=0)
+    if best[0] is None:
+        raise RuntimeError("autotuning: no experiment completed; see "
+                           f"{Path(at.results_dir) / 'summary.json'} for each trial's error")
+    return best[0]
+
+
+def profile_from_built(built: Any) -> ModelProfile:
+    """The planner's profile of a factory's already built job."""
+    from deepfleet.engine.planner.profile import profile_model
+
+    return profile_model(lambda: built)
+
+
 def tune(config: dict[str, Any] | str | Path, model_factory: str, *, world_size: int = 1,
          budget_gib: float | None = None, factory_kwargs: Mapping[str, Any] | None = None,
          runner: Runner | None = None, profile: ModelProfile | None = None,
-         accelerator: bool | None = None) -> TuneResult:
+         accelerator: bool | None = None, write: bool = True) -> TuneResult:
     """Search, measure, and write `results_dir/ds_config_optimal.json` (see the module docstring).
 
-    `runner(experiment, spec)` measures one experiment (default: `subprocess_runner`). Raises
+    `runner(experiment, spec)` measures one experiment (default: `subprocess_runner`); `write`: write
+    the experiment and result files (false on all but one rank of an in-process tuning). Raises
     `ConfigError` for a bad config."""
     errors: list[str] = []
     base = read_source(config, errors)
@@ -253,9 +305,10 @@ def tune(config: dict[str, Any] | str | Path, model_factory: str, *, world_size:
     budget = budget_gib * GIB if budget_gib is not None else None
     exps, pruned = experiments(prof, base, world_size=world_size, budget_bytes=budget, accelerator=accelerator)
     exps_dir, results_dir = Path(at.exps_dir), Path(at.results_dir)
-    if at.overwrite and exps_dir.exists():
+    if write and at.overwrite and exps_dir.exists():
         shutil.rmtree(exps_dir)
-    exps_dir.mkdir(parents=True, exist_ok=True)
+    if write:
+        exps_dir.mkdir(parents=True, exist_ok=True)
     run = runner or subprocess_runner(model=model_factory, model_args=factory_kwargs or {}, world_size=world_size,
                                       exps_dir=exps_dir, start=at.start_profile_step, end=at.end_profile_step,
                                       metric_path=at.metric_path)
@@ -278,6 +331,8 @@ def tune(config: dict[str, Any] | str | Path, model_factory: str, *, world_size:
             if since_best >= at.tuner_early_stopping:
                 break
     result = TuneResult(best=best, experiments=done, pruned=pruned, metric=at.metric)
+    if not write:
+        return result
     results_dir.mkdir(parents=True, exist_ok=True)
     if best is not None:
         result.optimal_config_path = results_dir / "ds_config_optimal.json"
