@@ -9,6 +9,8 @@ imports the API, the database or a backend (import-linter checks it).
 from __future__ import annotations
 
 import json
+import os
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,10 +29,14 @@ class Client:
     """One controller at `url`, authenticated with a bearer `token` (an API token `dft_...`)."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, ca_bundle: str | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+        # DEEPFLEET_CA_BUNDLE: verify an https controller against this PEM bundle (as the workers do).
+        bundle = ca_bundle or os.environ.get("DEEPFLEET_CA_BUNDLE")
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=bundle) if bundle else True
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
+                                  verify=verify)
 
     def close(self) -> None:
         self._http.close()

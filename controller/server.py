@@ -156,12 +156,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=None, help="seconds between worker heartbeats")
     p.add_argument("--reconcile-interval", type=float, default=None)
     p.add_argument("--replica-id")
+    p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate (chain); needs --tls-key")
+    p.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
     p.add_argument("--worker-command", help="local backend: command that runs one node (default deepfleet-worker)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("deepfleet server: --tls-cert and --tls-key go together; give both (or neither for plain HTTP)",
+              file=sys.stderr)
+        return 2
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is not None and not path.is_file():
+            print(f"deepfleet server: {flag}: {path} is not a file; give the PEM file's path", file=sys.stderr)
+            return 2
+    scheme = "https" if args.tls_cert else "http"
+    tls = {"ssl_certfile": str(args.tls_cert), "ssl_keyfile": str(args.tls_key)} if args.tls_cert else {}
     level = os.environ.get("DEEPFLEET_LOG_LEVEL", "INFO").upper()  # set by the Helm chart
     logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -169,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             database_url=args.db, data_dir=args.data_dir, replica_id=args.replica_id,
             reconcile_interval_s=args.reconcile_interval,
             controller_url=(os.environ.get("DEEPFLEET_CONTROLLER_URL") or os.environ.get("DEEPFLEET_PUBLIC_URL")
-                            or f"http://{args.host}:{args.port}"),
+                            or f"{scheme}://{args.host}:{args.port}"),
         )
         if settings.admin_token is None:
             token = persisted(settings.data_dir, name=ADMIN_TOKEN_FILE, make=lambda: mint_api_token().token)
@@ -202,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     except BackendError as e:  # a backend that cannot be reached or is not configured
         print(f"deepfleet server: {e}", file=sys.stderr)
         return 2
-    print(f"deepfleet controller on http://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
+    print(f"deepfleet controller on {scheme}://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
           f"logs {settings.logs_root})", file=sys.stderr, flush=True)
     if args.fd is not None:
-        uvicorn.run(app, fd=args.fd, log_level="warning")
+        uvicorn.run(app, fd=args.fd, log_level="warning", **tls)
     else:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **tls)
     return 0
 
 

@@ -18,6 +18,7 @@ import atexit
 import collections
 import logging
 import os
+import ssl
 import threading
 import time
 import urllib.error
@@ -43,13 +44,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+CA_BUNDLE_ENV = "DEEPFLEET_CA_BUNDLE"
+
+
+def tls_context(environ: Mapping[str, str] | None = None) -> ssl.SSLContext:
+    """The context an https post verifies the controller with: the system's trust store, or only the
+    PEM CA bundle named by DEEPFLEET_CA_BUNDLE (a private CA or a self-signed controller certificate)."""
+    env = os.environ if environ is None else environ
+    return ssl.create_default_context(cafile=env.get(CA_BUNDLE_ENV) or None)
+
+
 def post_json(url: str, body: bytes, *, token: str | None, timeout_s: float) -> int:
-    """POST a JSON body with a bearer token; return the HTTP status. Raises OSError/URLError on failure."""
+    """POST a JSON body with a bearer token; return the HTTP status. Raises OSError/URLError on failure
+    (also when an https controller's certificate does not verify: see `tls_context`)."""
     request = urllib.request.Request(url, data=body, method="POST")
     request.add_header("Content-Type", "application/json")
     if token:
         request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 (http(s) checked by the spec)
+    context = tls_context() if url.startswith("https://") else None
+    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:  # noqa: S310 (http(s) checked by the spec)
         return response.status
 
 

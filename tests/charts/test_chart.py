@@ -219,3 +219,19 @@ def test_rbac_grants_exactly_the_backend_verbs(values: Path) -> None:
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == expected_ns
     (sa,) = by_kind(docs, "ServiceAccount")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "ml"}]
+
+
+def test_tls_serves_the_secrets_certificate_and_validates() -> None:
+    docs = render_defaults("--set", "tls.enabled=true", "--set", "tls.secretName=df-controller-tls")
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+    (deploy,) = by_kind(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[args.index("--tls-cert") + 1] == "/etc/deepfleet/tls/tls.crt"
+    assert args[args.index("--tls-key") + 1] == "/etc/deepfleet/tls/tls.key"
+    assert {"name": "tls", "secret": {"secretName": "df-controller-tls"}} in pod["volumes"]
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    proc = helm("template", "df", str(CHART), "--set", "tls.enabled=true")
+    assert proc.returncode != 0 and "tls.secretName: tls.enabled needs" in proc.stderr

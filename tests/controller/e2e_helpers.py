@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,7 +26,8 @@ class Controller:
 
     def __init__(self, db_url: str, data_dir: Path, *, worker_command: list[str] | None = None,
                  replica: str = "c1", lease_seconds: float = 3.0, workdir: Path | None = None,
-                 heartbeat_interval: float = 0.5, extra_env: dict[str, str] | None = None) -> None:
+                 heartbeat_interval: float = 0.5, extra_env: dict[str, str] | None = None,
+                 tls: tuple[Path, Path] | None = None) -> None:
         """`extra_env` overrides the controller's environment (by default jobs run as the test's own user,
         `DEEPFLEET_LOCAL_USER` empty, since pytest's temporary directories are not reachable by others)."""
         # The test binds the listening socket (port 0) and hands it to the server: no port race.
@@ -33,7 +35,7 @@ class Controller:
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
         self.port = listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.log = data_dir / f"controller-{replica}-{self.port}.log"
         env = {**os.environ, "DEEPFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "DEEPFLEET_ADMIN_PROJECT": "test",
@@ -45,6 +47,8 @@ class Controller:
                 "--replica-id", replica, "--heartbeat-interval", str(heartbeat_interval)]
         if workdir is not None:
             argv += ["--workdir", str(workdir)]
+        if tls is not None:  # (certificate, key); the certificate is also the CA the test trusts
+            argv += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
         if worker_command is not None:
             argv += ["--worker-command", " ".join(worker_command)]
         with open(self.log, "ab") as out:
@@ -57,7 +61,7 @@ class Controller:
                 raise RuntimeError(f"controller exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + "/v1/jobs", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-                             timeout=1).status_code == 200:
+                             timeout=1, verify=ssl.create_default_context(cafile=tls[0]) if tls else True).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -65,7 +69,7 @@ class Controller:
         else:
             self.kill()
             raise RuntimeError(f"controller did not answer:\n{self.log.read_text()[-3000:]}")
-        self.client = Client(self.url, token=ADMIN_TOKEN)
+        self.client = Client(self.url, token=ADMIN_TOKEN, ca_bundle=str(tls[0]) if tls else None)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
