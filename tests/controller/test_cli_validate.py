@@ -60,9 +60,9 @@ BROKEN = [
         "zero_optimization.reduce_bucket_size: 'auto' needs the model's hidden size; pass hidden_size to "
         "load_config (deepfleet validate --hidden-size) or set a number",
     ]),
-    ("not-supported-yet", "c.json", {**BASE, "activation_checkpointing": {"partition_activations": True},
+    ("not-supported-yet", "c.json", {**BASE, "data_efficiency": {"enabled": True},
                                      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [], [
-        "activation_checkpointing: not supported yet; drop the section",
+        'data_efficiency: not supported yet; drop the section or set "enabled": false',
         'zero_optimization.offload_param.device: nvme is not supported yet; use "cpu"',
     ]),
     ("fp16-and-bf16", "c.json", {**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, [], [
