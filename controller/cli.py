@@ -105,43 +105,50 @@ def db_upgrade(
     raise typer.Exit(subprocess.call(argv))
 
 
-@app.command(
-    "checkpoint",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
+# Engine command lines, each run as its own process so the CLI stays torch-free (import contract):
+# (command, module, one-line help). Their options are the module's own (`deepfleet NAME --help`).
+ENGINE_COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("checkpoint", "deepfleet.engine.checkpoint.cli",
+     "Inspect checkpoints or export weights to safetensors (`deepfleet checkpoint --help` for more)."),
+    ("serve", "deepfleet.engine.inference.serve_cli",
+     "Serve a checkpoint at an OpenAI-compatible /v1/completions (`deepfleet serve --help` for more)."),
+    ("plan", "deepfleet.engine.planner.cli",
+     "Per-rank peak memory and step-time factors of each ZeRO stage, offload and checkpointing choice "
+     "(`deepfleet plan --help` for more)."),
+    ("tune", "deepfleet.engine.planner.tune_cli",
+     "Choose ZeRO stage, micro-batch and offload for the most tokens/s within a memory budget; writes the "
+     "winning ds_config (`deepfleet tune --help` for more)."),
+    ("run", "deepfleet.engine.compat.run_cli",
+     "Run an unmodified DeepSpeed/torchrun script on deepfleet (`deepfleet run --help` for more)."),
 )
-def checkpoint(ctx: typer.Context) -> None:
-    """Inspect checkpoints or export weights to safetensors (`deepfleet checkpoint --help` for more)."""
-    _run_torch_module("deepfleet.engine.checkpoint.cli", ctx.args)
 
 
-@app.command(
-    "serve",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def serve(ctx: typer.Context) -> None:
-    """Serve a checkpoint at an OpenAI-compatible /v1/completions (`deepfleet serve --help` for more)."""
-    _run_torch_module("deepfleet.engine.inference.serve_cli", ctx.args)
+def _register_engine_command(name: str, module: str, help_text: str) -> None:
+    def command(ctx: typer.Context) -> None:
+        _run_torch_module(module, ctx.args)
 
-
-@app.command(
-    "run",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    add_help_option=False,
-)
-def run(ctx: typer.Context) -> None:
-    """Run an unmodified DeepSpeed/torchrun script on deepfleet (`deepfleet run --help` for more)."""
-    _run_torch_module("deepfleet.engine.compat.run_cli", ctx.args)
+    app.command(
+        name,
+        help=help_text,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        add_help_option=False,
+    )(command)
 
 
 def _run_torch_module(module: str, args: list[str]) -> None:
-    """Run an engine command line as its own process and exit with its status: the CLI stays torch-free
-    (import contract)."""
-    import subprocess
+    """Replace this process by the engine command line (the CLI stays torch-free: import contract). An
+    exec, not a child process: signals (a supervisor's SIGTERM) reach the command itself, and no child
+    outlives the CLI."""
+    import os
     import sys
 
-    raise typer.Exit(subprocess.call([sys.executable, "-m", module, *args]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+
+for _name, _module, _help in ENGINE_COMMANDS:
+    _register_engine_command(_name, _module, _help)
 
 
 register_job_commands(app)  # server, submit, ls, get, logs, cancel, events, token (controller/cli_jobs.py)

@@ -127,7 +127,7 @@ def choices_from_config(section: Any, n_blocks: int) -> list[BlockChoice]:
     """The per-block choices of a `deepfleet_activation_checkpointing` section over `n_blocks` blocks."""
     recompute: Recompute = {"off": "none", "blocks": "full", "selective": "selective"}[section.mode]
     return [
-        BlockChoice(recompute if recompute != "none" and (i + 1) % section.every == 0 else "none",
+        BlockChoice(recompute if recompute != "none" and i % section.every == 0 else "none",
                     offload=section.offload)
         for i in range(n_blocks)
     ]

@@ -32,6 +32,7 @@ from deepfleet.engine.precision import Precision, build_precision
 from deepfleet.engine.profiling.step_flops import StepFlops
 from deepfleet.engine.progress import ProgressLog
 from deepfleet.engine.zero.base import StrategyFactory, ZeroStrategy
+from deepfleet.engine.zero.nvme import check_before_build, offload_strategy
 
 # zero_optimization.stage -> the strategy class ("module:Class"), imported only when used.
 STRATEGIES: dict[int, str] = {
@@ -121,6 +122,8 @@ def build_training(
     #    over the model's parameters, and the strategy is told about it (state accounting, save/load).
     opt = _optimizer(optimizer, sharding.optimizer_param_groups(groups), config)
     sharding.bind_optimizer(opt)
+    #    NVMe offload keeps the optimizer's state in files between steps (engine/zero/nvme.py).
+    sharding = offload_strategy(sharding, opt, config, rank=comm.get_rank())
 
     # 5. The LR schedule after the optimizer: it records the optimizer's initial learning rates.
     scheduler = _lr_scheduler(lr_scheduler, opt, config)
@@ -197,14 +200,18 @@ def _check_one_source(key: str, configured: Any, given: Any) -> None:
 
 def _check_offload(model: nn.Module, zero_config: Any) -> None:
     """Offloading model states to the CPU is a no-op when training already runs on the CPU (every state
-    lives in host memory); on an accelerator it is not implemented yet, and is refused by name rather
-    than silently keeping the states on the device."""
+    lives in host memory); NVMe offload of the optimizer state moves it to files (engine/zero/nvme.py).
+    On an accelerator both are not implemented yet, and are refused by name rather than silently keeping
+    the states on the device."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    optim = getattr(zero_config, "offload_optimizer", None)
+    if optim is not None and optim.device == "nvme" and device.type == "cpu":
+        check_before_build(optim, model, comm.get_world_size())
     for key in ("offload_optimizer", "offload_param"):
         section = getattr(zero_config, key, None)
-        if section is not None and section.device == "cpu" and device.type != "cpu":
+        if section is not None and section.device in ("cpu", "nvme") and device.type != "cpu":
             raise ValueError(
-                f"zero_optimization.{key}.device: CPU offload while training on {device.type} is not "
+                f"zero_optimization.{key}.device: {section.device} offload while training on {device.type} is not "
                 f"supported yet; remove zero_optimization.{key} (or set its device to \"none\")"
             )
 

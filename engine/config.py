@@ -42,11 +42,17 @@ from deepfleet.engine.config_activation_checkpointing import (
     ActivationCheckpointingConfig,
     BlockCheckpointingConfig,
 )
+from deepfleet.engine.config_autotuning import AutotuningConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
 from deepfleet.engine.config_communication import CommunicationConfig
 from deepfleet.engine.config_compression import CompressionConfig
-from deepfleet.engine.config_curriculum import CurriculumLearningConfig, ProgressiveLayerDropConfig
+from deepfleet.engine.config_curriculum import (
+    CurriculumLearningConfig,
+    EigenvalueConfig,
+    ProgressiveLayerDropConfig,
+)
+from deepfleet.engine.config_data_efficiency import DataEfficiencyConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
@@ -69,7 +75,7 @@ from deepfleet.engine.config_optim import (
 from deepfleet.engine.config_pipeline import PipelineConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
-from deepfleet.engine.config_zero import ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
+from deepfleet.engine.config_zero import AioConfig, ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
 
@@ -126,6 +132,8 @@ class DeepFleetConfig(ConfigSection):
     """Clip the global gradient L2 norm to this value; 0 disables clipping (the norm is still computed)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO partitioning of model states."""
+    aio: AioConfig = Field(default_factory=AioConfig)
+    """File I/O of NVMe offload (`zero_optimization.offload_optimizer.device: nvme`)."""
     steps_per_print: Int | None = Field(None, gt=0)
     """Log progress every this many optimizer steps; unset = never."""
     wall_clock_breakdown: Bool = False
@@ -164,10 +172,16 @@ class DeepFleetConfig(ConfigSection):
     """Progressive layer drop: the keep-probability schedule passed to the model (engine/curriculum.py)."""
     curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """DeepSpeed's legacy sequence-length curriculum passed to the model (engine/curriculum.py)."""
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """DeepSpeed's data efficiency: random layerwise token dropping (engine/data_routing.py)."""
+    eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+    """Block Hessian eigenvalues by power iteration at accumulation boundaries (engine/eigenvalue.py)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """`torch.compile` of the wrapped model (engine/config_checkpoint.py)."""
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    """What `deepfleet tune` searches and how it measures (engine/config_autotuning.py, engine/planner/tune.py)."""
     sparse_attention: SparseAttentionConfig | None = None
     """Block-sparse attention layout for the model to build (engine/attention/); unset = dense attention."""
     sequence_parallel_size: Int = Field(1, gt=0)
@@ -190,6 +204,9 @@ class DeepFleetConfig(ConfigSection):
         )
         problems += _precision_conflicts(fp16=self.fp16.enabled, bf16=self.bf16.enabled)
         problems += one_bit_stage_problem(self.optimizer, self.zero_optimization.stage)
+        if self.eigenvalue.enabled and self.zero_optimization.stage == 3:
+            problems.append("eigenvalue.enabled: block eigenvalues need twice-differentiable parameters, which "
+                            "ZeRO stage 3's gathers are not; use zero_optimization.stage 0, 1 or 2, or disable it")
         if problems:
             raise ValueError("\n".join(problems))
         return self

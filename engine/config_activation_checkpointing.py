@@ -78,7 +78,8 @@ class BlockCheckpointingConfig(ConfigSection):
     """"blocks": recompute the chosen blocks whole in backward; "selective": inside the chosen blocks keep
     the outputs of `ops` and recompute the rest (torchtitan's selective AC); "off": no recomputation."""
     every: Int = Field(1, ge=1)
-    """Choose every k-th block: blocks k, 2k, ... counted from 1 (1 = all blocks, 2 = the 2nd, 4th, ...)."""
+    """Choose every k-th block, starting with the first: blocks 0, k, 2k, ... counted from 0 (1 = all blocks, 2 =
+    the 1st, 3rd, 5th, ...)."""
     ops: list[str] = Field(default_factory=lambda: ["matmul", "attention"])
     """Ops whose outputs "selective" keeps: "matmul" (mm, addmm, bmm, baddbmm), "attention" (the fused
     scaled-dot-product attention kernels) or single ATen ops by name ("aten.mm")."""

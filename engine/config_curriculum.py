@@ -73,3 +73,28 @@ class CurriculumLearningConfig(ConfigSection):
         if self.min_difficulty > self.max_difficulty:
             raise ValueError(f"min_difficulty: {self.min_difficulty} is above max_difficulty {self.max_difficulty}")
         return self
+
+
+class EigenvalueConfig(ConfigSection):
+    """`eigenvalue`: the dominant eigenvalue of each block's loss Hessian, by power iteration on
+    Hessian-vector products, at every `gas_boundary_resolution`-th accumulation boundary
+    (`deepfleet.engine.eigenvalue`). DeepSpeed computed it to drive its quantization schedule; here it
+    is a curvature figure per block on `engine.block_eigenvalue` and in the step metrics."""
+
+    enabled: Bool = False
+    """Compute the block eigenvalues."""
+    verbose: Bool = False
+    """Log each block's eigenvalue and iteration count on rank 0."""
+    max_iter: Int = Field(100, gt=0)
+    """Power iterations per block at most."""
+    tol: Float = Field(1e-2, gt=0.0)
+    """Stop when the relative change of the estimate between two iterations is below this."""
+    stability: Float = Field(1e-6, ge=0.0)
+    """Added to vector norms before dividing (keeps a zero Hessian-vector product finite)."""
+    gas_boundary_resolution: Int = Field(1, gt=0)
+    """Compute at every n-th optimizer step's accumulation boundary."""
+    layer_name: str = "bert.encoder.layer"
+    """Dotted path of the block list in the model. DeepSpeed's default; when the model has no such
+    submodule, the engine's own block discovery (`deepfleet.engine.blocks.blocks`) is used."""
+    layer_num: Int = Field(0, ge=0)
+    """Blocks to compute, from the first; 0 = every block of the list."""

@@ -69,12 +69,11 @@ _OFF = Unsupported(_disabled, 'drop the section or set "enabled": false')
 # Dotted DeepSpeed keys that this engine does not implement yet.
 NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
-    "data_efficiency": _OFF,
+    # the data-analyzer curriculum (the sequence-length curriculum is the top-level curriculum_learning)
+    "data_efficiency.data_sampling": _OFF,
+    "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": _OFF,  # DeepSpeed refuses it too
     "amp": _OFF,
     "elasticity": _OFF,
-    "aio": _SECTION,
-    "autotuning": _OFF,
-    "eigenvalue": _OFF,
     "quantize_training": _OFF,
     # gradients accumulate in fp32 (the strategies' buffers and FSDP2's reduce dtype), so only that is accepted
     "data_types": Unsupported(_all_off({"grad_accum_dtype": (None, "fp32")}),

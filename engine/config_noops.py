@@ -65,17 +65,17 @@ NO_OPS: dict[str, NoOp] = {
         "(refused); on the CPU there are no copies to order."
     ),
     "zero_optimization.offload_optimizer.pin_memory": NoOp(
-        "Page-locks host buffers for host<->accelerator copies; CPU offload is accepted only when training on "
-        "the CPU, where there are no such copies."
+        "Page-locks host buffers for host<->accelerator copies; CPU and NVMe offload are accepted only when "
+        "training on the CPU, where there are no such copies."
+    ),
+    "zero_optimization.offload_optimizer.fast_init": NoOp(
+        "DeepSpeed's faster start of NVMe optimizer offload; here the first step always creates the state "
+        "chunk by chunk and writes it out (never whole in memory), which is that fast start."
     ),
     "zero_optimization.offload_param.pin_memory": NoOp(
         "As offload_optimizer.pin_memory: parameter offload is accepted only when training on the CPU."
     ),
     # zero_optimization, stage 3: FSDP2 (zero/fsdp.py) fetches and frees per wrapped block
-    "zero_optimization.sub_group_size": NoOp(
-        "Tiles DeepSpeed's stage-3 optimizer step over flat fp32 groups; the optimizer here steps each "
-        "parameter's own shard, so there is no flat group to tile."
-    ),
     "zero_optimization.stage3_prefetch_bucket_size": NoOp(
         "FSDP2 all-gathers one wrapped block at a time and overlaps the next block's all-gather by its own "
         "prefetch policy; how far ahead is not set in elements."

@@ -38,7 +38,8 @@ class OffloadParamConfig(ConfigSection):
     """`zero_optimization.offload_param`: keep stage-3 parameter shards in host memory between uses."""
 
     device: OffloadDevice = "none"
-    """Where parameter shards live: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
+    """Where parameter shards live: `none` (accelerator), `cpu`. `nvme` is not supported yet (FSDP2 owns
+    the stage-3 shards between uses; swapping them to files is not built)."""
     pin_memory: Bool = True
     """Page-locked host buffers (faster host<->device copies, uses locked memory); DeepSpeed's default."""
     nvme_path: str | None = None
@@ -55,21 +56,48 @@ class OffloadOptimizerConfig(ConfigSection):
     """`zero_optimization.offload_optimizer`: keep optimizer state in host memory and step it on the CPU."""
 
     device: OffloadDevice = "none"
-    """Where optimizer state lives: `none` (accelerator), `cpu`. `nvme` is not supported yet."""
+    """Where optimizer state lives: `none` (accelerator), `cpu` (host memory: a no-op when training
+    already runs on the CPU), `nvme` (files under `nvme_path` between steps, engine/zero/nvme.py)."""
     pin_memory: Bool = True
     """Page-locked host buffers (faster host<->device copies, uses locked memory); DeepSpeed's default."""
     nvme_path: str | None = None
-    """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
-    buffer_count: Int = Field(4, ge=0)
-    """NVMe buffer pool size (only with device `nvme`)."""
+    """Directory for NVMe offload (device `nvme`): state files go to `deepfleet-optimizer/<job>-rank<r>/` under it."""
+    buffer_count: Int = Field(4, ge=1)
+    """Host buffers the NVMe step cycles through (device `nvme`): chunks read ahead or being written
+    back each hold one; each buffer holds one chunk of `sub_group_size` elements' state."""
     pipeline_read: Bool = False
-    """Overlap NVMe reads with the optimizer step (only with device `nvme`)."""
+    """Read the next chunk on a background thread while the current one steps (device `nvme`)."""
     pipeline_write: Bool = False
-    """Overlap NVMe writes with the optimizer step (only with device `nvme`)."""
+    """Write each stepped chunk back on a background thread (device `nvme`)."""
     fast_init: Bool = False
-    """Fast optimizer-state initialisation under NVMe offload (only with device `nvme`)."""
+    """DeepSpeed's fast state initialisation under NVMe offload: state is always created chunk by chunk
+    by the first step here (never whole in memory), which is that fast path, so either value behaves so."""
     ratio: Float = Field(1.0, ge=0.0, le=1.0)
     """Fraction of the optimizer step run on the CPU (partial offload is not supported yet: only 1.0)."""
+
+
+class AioConfig(ConfigSection):
+    """`aio`: how NVMe offload files are read and written (DeepSpeed's async-I/O keys and defaults)."""
+
+    block_size: Int = Field(1_048_576, gt=0)
+    """Bytes per I/O request."""
+    queue_depth: Int = Field(8, gt=0)
+    """Requests in flight per I/O thread."""
+    thread_count: Int = Field(1, gt=0)
+    """Threads issuing a chunk's requests."""
+    single_submit: Bool = False
+    """Issue requests one at a time instead of in batches of `queue_depth`."""
+    overlap_events: Bool = True
+    """Submit a new request as each one completes (a sliding window of `queue_depth` per thread);
+    false submits a batch, waits for all of it, then submits the next."""
+    use_gds: Bool = False
+    """GPUDirect Storage; only false (no accelerator path here)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AioConfig:
+        if self.use_gds:
+            raise ValueError("use_gds: GPUDirect Storage is not supported yet; drop it or set it to false")
+        return self
 
 
 class ConfigWarning(UserWarning):
@@ -83,10 +111,11 @@ def _stage_in_range(stage: int) -> int:
 
 
 # Offload keys that only mean something for NVMe, with DeepSpeed's defaults: set to anything else
-# they would be silently ignored, so they are reported instead.
+# without device nvme they would be silently ignored, so they are reported instead.
 _NVME_ONLY = {
-    "nvme_path": None, "buffer_count": None, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
-    "pipeline_read": False, "pipeline_write": False, "fast_init": False,
+    "offload_param": {"nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
+    "offload_optimizer": {"nvme_path": None, "buffer_count": 4, "pipeline_read": False, "pipeline_write": False,
+                          "fast_init": False},
 }
 
 
@@ -117,7 +146,9 @@ class ZeroConfig(ConfigSection):
     round_robin_gradients: Bool = False
     """Stages 1/2 with CPU offload: spread gradient copies to host over ranks in round-robin order."""
     sub_group_size: Int = Field(1_000_000_000, ge=0)
-    """Elements per optimizer-step tile at stage 3 (bounds the step's temporary memory)."""
+    """Elements per optimizer-step tile at stage 3 (bounds the step's temporary memory); with
+    `offload_optimizer.device: nvme`, at every stage, the parameter elements per chunk read from and
+    written to the offload files (the buffers hold one chunk's state each)."""
     offload_param: OffloadParamConfig | None = None
     """Parameter offload (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig | None = None
@@ -176,11 +207,14 @@ class ZeroConfig(ConfigSection):
         for name, section in (("offload_param", self.offload_param), ("offload_optimizer", self.offload_optimizer)):
             if section is None:
                 continue
+            if name == "offload_param" and section.device == "nvme":
+                problems.append("offload_param.device: nvme is not supported yet (FSDP2 holds stage-3 parameter "
+                                "shards between uses); use \"cpu\" or \"none\"")
             if section.device == "nvme":
-                problems.append(f"{name}.device: nvme is not supported yet; use \"cpu\"")
-            for key, default in _NVME_ONLY.items():
+                continue
+            for key, default in _NVME_ONLY[name].items():
                 if key in section.model_fields_set and getattr(section, key) != default:
-                    problems.append(f"{name}.{key}: not supported yet (NVMe offload only); drop it")
+                    problems.append(f"{name}.{key}: only read with device \"nvme\"; drop it or set device to \"nvme\"")
         if self.offload_optimizer is not None and self.offload_optimizer.ratio != 1.0:
             problems.append("offload_optimizer.ratio: partial offload is not supported yet; drop it or use 1.0")
         if problems:
@@ -209,12 +243,18 @@ def _stages(stages: frozenset[int]) -> str:
     return f"stage {names[0]} reads" if len(names) == 1 else f"stages {', '.join(names[:-1])} and {names[-1]} read"
 
 
+def _nvme_optimizer(zero: ZeroConfig) -> bool:
+    return zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme"
+
+
 def out_of_stage(zero: ZeroConfig) -> list[str]:
     """One line per knob set to a non-default value at a stage that does not read it."""
     lines = []
     for key, stages in READ_AT_STAGES.items():
         if zero.stage in stages or key not in zero.model_fields_set:
             continue
+        if key == "sub_group_size" and _nvme_optimizer(zero):
+            continue  # the chunk of the NVMe optimizer step at every stage
         value, default = getattr(zero, key), ZeroConfig.model_fields[key].default
         if value == default:
             continue

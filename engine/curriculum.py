@@ -93,6 +93,7 @@ class ModelSchedules:
         pld, cl = config.progressive_layer_drop, config.curriculum_learning
         self.progressive_layer_drop = ProgressiveLayerDrop(theta=pld.theta, gamma=pld.gamma) if pld.enabled else None
         self.curriculum = CurriculumScheduler(cl) if cl.enabled else None
+        self.random_ltd = None  # engine/data_routing.py's RandomLTDScheduler, set by the engine when configured
 
     def forward_kwargs(self, *, next_step: int, training: bool) -> dict[str, Any]:
         """Keywords for the model's forward on a training micro-batch of optimizer step `next_step`
@@ -100,6 +101,8 @@ class ModelSchedules:
         extra: dict[str, Any] = {}
         if not training:
             return extra
+        if self.random_ltd is not None:  # the kept length of this step (steps taken so far)
+            self.random_ltd.update_seq(next_step - 1)
         if self.progressive_layer_drop is not None:
             extra.update(self.progressive_layer_drop.get_state())
         if self.curriculum is not None:
@@ -114,10 +117,13 @@ class ModelSchedules:
 
     def state_dict(self) -> dict[str, Any]:
         return {"curriculum": self.curriculum.state_dict() if self.curriculum is not None else None,
-                "pld_theta": self.progressive_layer_drop.current_theta if self.progressive_layer_drop else None}
+                "pld_theta": self.progressive_layer_drop.current_theta if self.progressive_layer_drop else None,
+                "random_ltd": self.random_ltd.state_dict() if self.random_ltd is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.curriculum is not None and state.get("curriculum") is not None:
             self.curriculum.load_state_dict(state["curriculum"])
         if self.progressive_layer_drop is not None and state.get("pld_theta") is not None:
             self.progressive_layer_drop.current_theta = float(state["pld_theta"])
+        if self.random_ltd is not None and state.get("random_ltd") is not None:
+            self.random_ltd.load_state_dict(state["random_ltd"])

@@ -34,6 +34,7 @@ from deepfleet.engine.compat.engine_members import DeepSpeedEngineMembers
 from deepfleet.engine.curriculum import ModelSchedules
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
+from deepfleet.engine.eigenvalue import Eigenvalue
 from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
 from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_size
@@ -68,6 +69,10 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.training_dataloader = training_dataloader
         # progressive layer drop / legacy curriculum: keywords for the model's forward (engine/curriculum.py)
         self.model_schedules = ModelSchedules(config)
+        self.random_ltd_scheduler = None  # random-LTD (engine/data_routing.py), when configured
+        self._token_drop_hooks = None
+        if config.data_efficiency.random_ltd() is not None:
+            self._build_random_ltd(config)
         self.global_steps = 0  # boundary steps taken, skipped (fp16 overflow) ones included
         self.global_samples = 0
         self.micro_steps = 0
@@ -77,6 +82,10 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.flops = training.flops  # StepFlops (engine/profiling/step_flops.py) or None
         self.comm_policy = training.comm_policy  # gradient compression (engine/gradcomp/policy.py) or None
         self.checkpointing = training.checkpointing  # each block's activation-checkpointing choice ([] = none)
+        # block Hessian eigenvalues at accumulation boundaries (engine/eigenvalue.py), when configured
+        self.eigenvalue = Eigenvalue.from_config(config.eigenvalue) if config.eigenvalue.enabled else None
+        self.block_eigenvalue: dict[int, list[float]] | None = None
+        self._eigenvalue_fresh = False
         # end-of-training summaries and monitor files: at destroy(), or when the engine is collected or
         # the interpreter exits, whichever comes first (the finalizer runs once)
         self._close_sinks = weakref.finalize(self, close_sinks, self.sinks)
@@ -97,16 +106,68 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
             self._recorder.micro_batch(args, kwargs)
         kwargs = {**kwargs, **self.model_schedules.forward_kwargs(
             next_step=self.global_steps + 1, training=self.module.training)}
+        if self.random_ltd_scheduler is not None:  # one draw of kept tokens per micro-batch
+            self.random_ltd_scheduler.new_micro_batch(self.micro_steps)
         args, kwargs = self.precision.prepare_inputs(args, kwargs)
-        with self._recorder.timed("forward"), self._counting("forward"):
+        with self._recorder.timed("forward"), self._counting("forward"), self._eigenvalue_forward():
             out = self.sharding.module(*args, **kwargs)
         self.memory.sample("forward")
         return out
+
+    # --- random-LTD (DeepSpeed's data_efficiency.data_routing.random_ltd) -----------------------------
+
+    def _build_random_ltd(self, config: Any) -> None:
+        from deepfleet.engine import data_routing
+
+        section = config.data_efficiency.random_ltd()
+        self.random_ltd_scheduler = data_routing.RandomLTDScheduler(
+            section, global_batch_size=config.train_batch_size, seed=config.data_efficiency.seed,
+            rank=self.parallel.dp_rank)
+        self.model_schedules.random_ltd = self.random_ltd_scheduler
+        if any(isinstance(m, data_routing.RandomLayerTokenDrop) for m in self.module.modules()):
+            data_routing.bind_wrappers(self.module, self.random_ltd_scheduler)
+        else:  # hooks on the listed blocks: the model itself is not rewritten
+            self._token_drop_hooks = data_routing.TokenDropHooks(
+                self.random_ltd_scheduler, data_routing.layers_to_drop(self.module, section))
+
+    def random_ltd_enabled(self) -> bool:
+        return self.random_ltd_scheduler is not None
+
+    def random_ltd_initialize(self) -> None:
+        """DeepSpeed's call after `convert_to_random_ltd`: bind the model's RandomLayerTokenDrop wrappers to
+        the scheduler (replacing the engine's own hooks)."""
+        from deepfleet.engine import data_routing
+
+        if self.random_ltd_scheduler is None:
+            raise ValueError("data_efficiency.data_routing.random_ltd: not enabled; enable data_efficiency, "
+                             "data_routing and random_ltd in the config")
+        if self._token_drop_hooks is not None:
+            self._token_drop_hooks.remove()
+            self._token_drop_hooks = None
+        data_routing.bind_wrappers(self.module, self.random_ltd_scheduler)
+
+    def _eigenvalue_due(self) -> bool:
+        return (self.eigenvalue is not None and torch.is_grad_enabled() and self.is_gradient_accumulation_boundary()
+                and (self.global_steps + 1) % self.eigenvalue.gas_boundary_resolution == 0)
+
+    def _eigenvalue_forward(self) -> contextlib.AbstractContextManager:
+        """The math attention kernel on the micro-batch whose loss the eigenvalues are taken of (the
+        fused kernels have no double backward)."""
+        if not self._eigenvalue_due():
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate `loss / gradient_accumulation_steps` (unless `scale_wrt_gas` is False),
         multiplied by the loss scale (fp16). Returns `loss` unchanged."""
         self._recorder.add_loss(loss)
+        if self._eigenvalue_due() and loss.requires_grad:
+            with self._recorder.timed("eigenvalue"):
+                self.block_eigenvalue = self.eigenvalue.block_eigenvalues(
+                    loss, self.module, seed=self.global_steps, group=self.parallel.dp_group)
+            self._eigenvalue_fresh = True
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         with self._recorder.timed("backward"), self._counting("backward"):
             self.precision.scale_loss(loss / divisor).backward(retain_graph=retain_graph)
@@ -157,6 +218,9 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         )
         if self.flops is not None:
             metrics = dataclasses.replace(metrics, **self.flops.figures(metrics))
+        if self._eigenvalue_fresh:  # estimated in this window
+            metrics = dataclasses.replace(metrics, block_eigenvalues=tuple(self.eigenvalue.last_raw))
+            self._eigenvalue_fresh = False
         if self.comm_policy is not None:  # its guard's figures (and, past a threshold, its fallback)
             metrics = dataclasses.replace(metrics, **self.comm_policy.end_step(metrics.loss))
         for sink in self.sinks:

@@ -123,3 +123,73 @@ class HighWater:
 
     def peak_bytes(self) -> int:
         return self._peak
+
+
+class LiveStorages:
+    """Bytes of the distinct tensor storages alive now, and their high-water mark, counted as they are
+    made and freed: every storage an op creates while this is active (a `TorchDispatchMode`, so
+    autograd's backward ops, collectives' output buffers and optimizer steps are seen too) plus the
+    tensors handed to `track` (model state that already exists when the window opens). A storage is
+    released when its last reference dies (a weak reference's callback).
+
+    This is what the planner's accuracy figure is measured with on a CPU build, where torch keeps no
+    allocator statistics (`torch.cuda.max_memory_allocated` has no CPU twin): it sees activations and
+    temporaries, which `HighWater` (model state only) does not. Use as a context manager; `peak` and
+    `current` are in bytes."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                out = func(*args, **(kwargs or {}))
+                tracker._track_tree(out)
+                return out
+
+        self._mode = _Mode()
+        self._live: dict[int, object] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __enter__(self) -> LiveStorages:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            self._track_one(t)
+
+    def _track_tree(self, out: object) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track_one(t)
+
+    def _track_one(self, t: torch.Tensor) -> None:
+        import weakref
+
+        t = _local(t)
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            return  # a wrapper subclass (DTensor, fake): its inner tensors are seen on their own
+        storage = t.untyped_storage()
+        key = storage._cdata  # the StorageImpl's address: unique while alive, also on meta
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+
+        def released(_ref: object, key: int = key, nbytes: int = nbytes) -> None:
+            if self._live.pop(key, None) is not None:
+                self.current -= nbytes
+
+        self._live[key] = weakref.ref(storage, released)
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)

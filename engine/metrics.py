@@ -79,6 +79,9 @@ class StepMetrics:
     mfu: float | None = None
     """Model FLOPs utilization: `flops` / (elapsed_s x this rank's peak FLOP/s); None when unknown."""
     hfu: float | None = None
+    block_eigenvalues: tuple[float, ...] | None = None
+    """Each block's dominant loss-Hessian eigenvalue from this step's boundary micro-batch, averaged over
+    the data-parallel group (`eigenvalue` section, engine/eigenvalue.py); None on steps it was not due."""
     """Hardware FLOPs utilization: as `mfu`, counting activation recomputation too."""
     comm_compressed: bool | None = None
     """Whether the gradient reductions are compressed (`communication` section; False after the guard fell

@@ -95,6 +95,35 @@ def build_job(entry: FactoryEntrypoint) -> ManagedJob:
     return job
 
 
+def _autotuned(spec: WorkerSpec, config: Any) -> Any:
+    """The engine config to train with: `config` itself, or, when its `autotuning` section is enabled, the
+    winner of tuning on the job's own ranks (`engine/planner/tune.py` `tune_job`; an earlier attempt's
+    winner in results_dir is reused). A config that does not parse is returned as it is, for
+    `initialize` to report."""
+    from deepfleet.engine.config import ConfigError, load_config
+    from deepfleet.engine.config_source import read_source
+
+    data = read_source(config, [])
+    try:
+        enabled = data is not None and load_config(data, world_size=dist.get_world_size()).autotuning.enabled
+    except ConfigError:
+        return config
+    if not enabled:
+        return config
+    from deepfleet.engine.planner.profile import build
+    from deepfleet.engine.planner.tune import tune_job
+
+    assert isinstance(spec.entrypoint, FactoryEntrypoint)
+    rank = dist.get_rank()
+    _log(rank, "autotuning: tuning the engine config before training")
+    tuned = tune_job(data, lambda: build(lambda: build_job(spec.entrypoint), device="cpu"),
+                     model_factory=spec.entrypoint.factory, world_size=dist.get_world_size(), write=rank == 0)
+    zero = tuned.get("zero_optimization", {})
+    _log(rank, f"autotuning: training with ZeRO stage {zero.get('stage', 0)}, micro-batch "
+               f"{tuned['train_micro_batch_size_per_gpu']}, accumulation {tuned.get('gradient_accumulation_steps', 1)}")
+    return tuned
+
+
 def _batches(loader: Any) -> Iterator[Any]:
     while True:  # one pass per epoch, from the loader's saved position
         yield from loader
@@ -126,6 +155,7 @@ def run_managed(spec: WorkerSpec) -> None:
     if config is None:
         raise WorkerSpecError(["engine_config: not set and the factory gave none; set engine_config to a "
                                "DeepSpeed-style dict or path"])
+    config = _autotuned(spec, config)
     engine, _, loader, _ = engine_api.initialize(model=job.model, config=config, training_data=job.training_data,
                                                  collate_fn=job.collate_fn)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -194,8 +194,9 @@ def list_jobs(
     f = store.JobFilter(project=principal.project, phase=phase, queue=queue, labels=_labels(label), name=name)
     after = _decode_cursor(cursor) if cursor else None
     rows, total = store.list_jobs(session, f, limit=limit, after=after)
-    next_cursor = _encode_cursor(rows[-1]) if len(rows) == limit else None
-    return JobList(items=[JobSummary.of(j) for j in rows], total=total, next_cursor=next_cursor)
+    next_cursor = _encode_cursor(rows[-1].job) if len(rows) == limit else None
+    items = [JobSummary.of(r.job, step=r.step, max_steps=r.max_steps) for r in rows]
+    return JobList(items=items, total=total, next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobDetail, responses=ERRORS, summary="Get a job")

@@ -141,22 +141,38 @@ def _filtered(query: Select[Any], f: JobFilter) -> Select[Any]:
     return query
 
 
+@dataclass(frozen=True)
+class ListedJob:
+    """One row of a listing: the job without its documents, and the two figures a summary shows from them."""
+
+    job: Job
+    step: int | None
+    """`last_heartbeat.step`, extracted in SQL."""
+    max_steps: int | None
+    """`spec.spec.maxSteps`, extracted in SQL."""
+
+
 def list_jobs(
     session: Session, f: JobFilter, *, limit: int, after: tuple[datetime, str] | None = None
-) -> tuple[list[Job], int]:
+) -> tuple[list[ListedJob], int]:
     """Newest first, keyset-paginated on (created_at, id); also the total count matching the filter.
 
-    The count rides along as a scalar subquery, so a page costs one round trip (plus one for labels).
+    The count rides along as a scalar subquery and the summary's step and max steps are extracted from
+    the JSON documents in SQL (the documents stay in the database: loading a deferred column per row
+    would cost a round trip each), so a page costs one round trip (plus one for labels).
     """
     total_query = _filtered(select(func.count(Job.id)), f).scalar_subquery()
-    # A listing shows summaries: leave the spec and heartbeat documents in the database.
-    query = _filtered(select(Job, total_query), f).options(defer(Job.spec), defer(Job.last_heartbeat)).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+    step = Job.last_heartbeat["step"].as_integer()
+    max_steps = Job.spec[("spec", "maxSteps")].as_integer()
+    query = (_filtered(select(Job, total_query, step, max_steps), f)
+             .options(defer(Job.spec), defer(Job.last_heartbeat))
+             .order_by(Job.created_at.desc(), Job.id.desc()).limit(limit))
     if after is not None:
         created, job_id = after
         query = query.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id)))
     rows = session.execute(query).all()
     if rows:
-        return [job for job, _ in rows], rows[0][1]
+        return [ListedJob(job, s, m) for job, _, s, m in rows], rows[0][1]
     return [], session.scalar(_filtered(select(func.count(Job.id)), f)) or 0
 
 

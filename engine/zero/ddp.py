@@ -225,7 +225,9 @@ class DDPStrategy:
 
     def state_dict(self) -> dict:
         names = dict(zip(map(id, self._masters), self._names, strict=True))
-        model = dict(zip(self._names, self._masters, strict=True))
+        # the rest of the model's state (persistent buffers, frozen parameters) as the other stages save it
+        model = {name: value.detach() for name, value in self._model.state_dict().items()}
+        model.update(zip(self._names, self._masters, strict=True))
         optim = {}
         if self._optimizer is not None:
             ensure_optimizer_state(self._optimizer)  # a fresh engine's state dict is a load target
@@ -234,9 +236,16 @@ class DDPStrategy:
 
     def load_state_dict(self, state: dict) -> None:
         model = state["model"]
+        trainable = set(self._names)
+        own = self._model.state_dict()
         with torch.no_grad():
             for name, m in zip(self._names, self._masters, strict=True):
                 m.copy_(model[name])
+            for name, value in model.items():  # buffers and frozen parameters
+                if name not in trainable:
+                    if name not in own:
+                        raise ValueError(f"checkpoint model.{name}: not a parameter or buffer of the model")
+                    own[name].copy_(value)
         self.after_optimizer_step()
         if state.get("optim") and self._optimizer is not None:
             tensors = dict(zip(self._names, self._masters, strict=True))

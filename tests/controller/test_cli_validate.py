@@ -60,10 +60,11 @@ BROKEN = [
         "zero_optimization.reduce_bucket_size: 'auto' needs the model's hidden size; pass hidden_size to "
         "load_config (deepfleet validate --hidden-size) or set a number",
     ]),
-    ("not-supported-yet", "c.json", {**BASE, "data_efficiency": {"enabled": True},
+    ("not-supported-yet", "c.json", {**BASE, "elasticity": {"enabled": True},
                                      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [], [
-        'data_efficiency: not supported yet; drop the section or set "enabled": false',
-        'zero_optimization.offload_param.device: nvme is not supported yet; use "cpu"',
+        'elasticity: not supported yet; drop the section or set "enabled": false',
+        "zero_optimization.offload_param.device: nvme is not supported yet (FSDP2 holds stage-3 parameter shards "
+        'between uses); use "cpu" or "none"',
     ]),
     ("fp16-and-bf16", "c.json", {**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, [], [
         "fp16.enabled: fp16 and bf16 are both enabled; enable only one of them",
@@ -204,6 +205,20 @@ LEGACY_OFFLOAD = {  # the older spellings 2020-2022 configs carry (Megatron-Deep
     "disable_allgather": True, "dataloader_drop_last": True, "data_types": {"grad_accum_dtype": "fp32"},
     "bf16": {"enabled": True},
 }
+GPT_RANDOM_LTD = {  # DeepSpeed's data-efficiency GPT recipe shape: random-LTD on the middle layers
+    "train_batch_size": 512, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 10,
+    "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+    "data_efficiency": {
+        "enabled": True, "seed": 1234,
+        "data_sampling": {"enabled": False, "num_workers": 0},
+        "data_routing": {"enabled": True, "random_ltd": {
+            "enabled": True, "total_layer_num": 24, "random_ltd_layer_num": 22,
+            "random_ltd_layer_id": list(range(1, 23)), "model_mask_name": "attention_mask",
+            "model_type": "decoder", "hidden_state_order": "seq_batch_dim",
+            "random_ltd_schedule": {"min_value": 128, "max_value": 2048, "schedule_type": "fixed_linear",
+                                    "schedule_config": {"require_steps": 200000, "seq_per_step": 16}}}}},
+    "eigenvalue": {"enabled": True, "max_iter": 50, "tol": 1e-2, "layer_name": "transformer.h", "layer_num": 24},
+}
 BOOLEAN_ZERO = {"train_batch_size": 16, "zero_optimization": False, "fp16": {"enabled": False},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 YAML_ONECYCLE = """\
@@ -248,6 +263,9 @@ REAL = [
     ("legacy-cpu-offload-keys", "ds.json", LEGACY_OFFLOAD, ["--world-size", "8"],
      {"zero_optimization.offload_optimizer.device": "cpu", "zero_optimization.offload_optimizer.pin_memory": True,
       "gradient_clipping": 1.0, "optimizer.params.bias_correction": False}),
+    ("gpt-random-ltd-eigenvalue", "ds.json", GPT_RANDOM_LTD, ["--world-size", "8"],
+     {"gradient_accumulation_steps": 8, "data_efficiency.data_routing.random_ltd.random_ltd_layer_num": 22,
+      "eigenvalue.layer_name": "transformer.h"}),
     ("boolean-zero-optimization", "ds.json", BOOLEAN_ZERO, ["--world-size", "2"],
      {"zero_optimization.stage": 0, "gradient_accumulation_steps": 1}),
     ("yaml-onecycle-sgd", "ds.yaml", YAML_ONECYCLE, [],

@@ -82,7 +82,7 @@ def test_block_section_errors_name_the_key() -> None:
         "deepfleet_activation_checkpointing.ops"]
     section = load_config({**BASE, "deepfleet_activation_checkpointing": {"mode": "blocks", "every": 2}}) \
         .deepfleet_activation_checkpointing
-    assert [c.recompute for c in choices_from_config(section, 5)] == ["none", "full", "none", "full", "none"]
+    assert [c.recompute for c in choices_from_config(section, 5)] == ["full", "none", "full", "none", "full"]
     with pytest.raises(ValueError, match=r"^deepfleet_activation_checkpointing.ops: 'aten.no_such_op' is not"):
         apply_block_choices(blocks(GPTWithLoss(MODEL)), [BlockChoice("selective")] * 4, ops=["aten.no_such_op"])
 

@@ -90,13 +90,13 @@ def test_all_errors_are_collected_one_line_each() -> None:
         "fp16": {"enabled": True},
         "bf16": {"enabled": True},
         "gradient_clip": 1.0,
-        "autotuning": {"enabled": True},
+        "elasticity": {"enabled": True},
         "optimizer": {"type": "adam", "params": {"lr": "auto", "momentum": 0.9}},
         "zero_optimization": {"stage": 5, "reduce_bucket_size": -1},
         "steps_per_print": "10",
     })
     assert errors == [  # sorted by key
-        'autotuning: not supported yet; drop the section or set "enabled": false',
+        'elasticity: not supported yet; drop the section or set "enabled": false',
         "fp16.enabled: fp16 and bf16 are both enabled; enable only one of them",
         "gradient_clip: unknown key; did you mean gradient_clipping? remove or rename it",
         "optimizer.params.lr: 'auto' cannot be resolved by the engine; set a number",
@@ -173,9 +173,9 @@ def test_not_supported_key_with_default_value_is_accepted_and_other_values_named
           "wandb": {"enabled": False}, "communication_data_type": None}
     load_config(ok)
     errors = _errors({"train_batch_size": 2, "zero_optimization": {"stage": 2, "load_from_fp32_weights": False},
-                      "data_efficiency": {"enabled": True}})
+                      "elasticity": {"enabled": True}})
     assert errors == [
-        'data_efficiency: not supported yet; drop the section or set "enabled": false',
+        'elasticity: not supported yet; drop the section or set "enabled": false',
         "zero_optimization.load_from_fp32_weights: not supported yet; drop it",
     ]
 
@@ -184,9 +184,18 @@ def test_nvme_offload_is_not_supported_yet_and_offload_needs_the_right_stage() -
     errors = _errors({"train_batch_size": 2, "zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
     assert errors == [
-        'zero_optimization.offload_param.device: nvme is not supported yet; use "cpu"',
-        "zero_optimization.offload_param.nvme_path: not supported yet (NVMe offload only); drop it",
+        "zero_optimization.offload_param.device: nvme is not supported yet (FSDP2 holds stage-3 parameter "
+        'shards between uses); use "cpu" or "none"',
     ]
+    assert _errors({"train_batch_size": 2, "zero_optimization": {
+        "stage": 1, "offload_optimizer": {"device": "cpu", "nvme_path": "/local_nvme"}}}) == [
+        'zero_optimization.offload_optimizer.nvme_path: only read with device "nvme"; drop it or set device to "nvme"']
+    cfg = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 1, "sub_group_size": 10, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 2, "pipeline_read": True}},
+        "aio": {"block_size": 4096, "thread_count": 2}})
+    assert cfg.zero_optimization.offload_optimizer.device == "nvme" and cfg.aio.thread_count == 2
+    assert _errors({"train_batch_size": 2, "aio": {"use_gds": True}}) == [
+        "aio.use_gds: GPUDirect Storage is not supported yet; drop it or set it to false"]
     assert _errors({"train_batch_size": 2, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})[0].startswith(
         "zero_optimization.offload_optimizer: optimizer offload needs stage 1, 2 or 3")
     cfg = load_config({"train_batch_size": 2, "zero_optimization": {

@@ -7,20 +7,13 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import deepfleet.engine as deepspeed
 from deepfleet.engine.config import ConfigError, load_config
 from deepfleet.engine.curriculum import CurriculumScheduler
 
-
-@pytest.fixture(autouse=True)
-def one_rank_group():
-    torch.set_num_threads(1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def _scheduler(**section) -> CurriculumScheduler:

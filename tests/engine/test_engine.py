@@ -21,13 +21,7 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
 
 
-@pytest.fixture(autouse=True)
-def one_rank_group():
-    """initialize() creates a one-rank gloo group when none exists; drop it after each test."""
-    torch.set_num_threads(1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def model() -> GPTWithLoss:

@@ -244,3 +244,21 @@ def test_managed_loop_trains_a_pipeline(tmp_path: Path) -> None:
     code, out = _run(spec)
     assert code == 0, out
     assert "done at step 3, checkpoint global_step3" in out
+
+
+@pytest.mark.e2e
+def test_a_job_whose_config_enables_autotuning_tunes_on_its_ranks_then_trains(tmp_path: Path) -> None:
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "autotuning": {"enabled": True, "results_dir": str(tmp_path / "results"),
+                             "exps_dir": str(tmp_path / "exps"), "start_profile_step": 1, "end_profile_step": 2,
+                             "tuner_num_trials": 2, "num_tuning_micro_batch_sizes": 2,
+                             "max_train_micro_batch_size_per_gpu": 4, "deepfleet_budget_gib": 1.0}}
+    spec = _spec(tmp_path / "ckpt", engine_config=config, max_steps=3)
+    code, out = _run(spec)
+    assert code == 0, out
+    winner = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
+    summary = json.loads((tmp_path / "results" / "summary.json").read_text())
+    assert len(summary["experiments"]) == 2 and all(e["metric"]["throughput"] > 0 for e in summary["experiments"])
+    assert (f"autotuning: training with ZeRO stage {winner['zero_optimization']['stage']}, micro-batch "
+            f"{winner['train_micro_batch_size_per_gpu']}") in out
+    assert "done at step 3" in out

@@ -98,6 +98,10 @@ def test_heartbeats_with_the_job_token_become_metrics(client, settings) -> None:
     # the job list carries the step too (the web page's Step column)
     (listed,) = [j for j in client.get("/v1/jobs", headers=ADMIN).json()["items"] if j["id"] == job["id"]]
     assert listed["step"] == 20 and listed["max_steps"] is None
+    # both figures come from the JSON documents in SQL, as the detail reads them
+    capped = submit(client, name="capped", **{"backend: local": "backend: local\n  maxSteps: 40"})
+    (listed,) = [j for j in client.get("/v1/jobs", headers=ADMIN).json()["items"] if j["id"] == capped["id"]]
+    assert listed["max_steps"] == 40 and listed["step"] is None
     types = [e["type"] for e in client.get(f"/v1/jobs/{job['id']}/events", headers=ADMIN).json()["items"]]
     assert types == ["Submitted", "CheckpointSaved"]
     r = client.post(f"/v1/jobs/{job['id']}/failure", headers=worker,

@@ -20,12 +20,7 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}
 
 
-@pytest.fixture(autouse=True)
-def one_rank_group():
-    torch.set_num_threads(1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def gpt() -> GPTWithLoss:

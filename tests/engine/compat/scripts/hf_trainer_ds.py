@@ -16,13 +16,14 @@ parser.add_argument("--output_dir", type=str, required=True)
 parser.add_argument("--resume_from", type=str, default=None)
 parser.add_argument("--out", type=str, default=None)
 parser.add_argument("--model", type=str, default=None, help="a save_pretrained folder to fine-tune")
+parser.add_argument("--one_row", action="store_true", help="every sample the same (order-free losses)")
 cli = parser.parse_args()
 
 
 class Tokens(torch.utils.data.Dataset):
     def __init__(self, n=64):
         g = torch.Generator().manual_seed(3)
-        self.ids = torch.randint(0, 128, (n, 16), generator=g)
+        self.ids = torch.randint(0, 128, (1 if cli.one_row else n, 16), generator=g).expand(n, 16)
 
     def __len__(self):
         return len(self.ids)
@@ -43,7 +44,8 @@ if cli.model:  # after TrainingArguments, so that at ZeRO-3 HF loads through dee
         with open(f"{cli.out}.rank{torch.distributed.get_rank()}", "w") as f:
             json.dump({"wte_sum": float(model.transformer.wte.weight.detach().double().sum())}, f)
 else:
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 trainer = Trainer(model=model, args=args, train_dataset=Tokens())
 trainer.train(resume_from_checkpoint=cli.resume_from)
 trainer.save_model(cli.output_dir + "/final")

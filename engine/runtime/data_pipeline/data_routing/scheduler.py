@@ -1,0 +1,3 @@
+"""`deepspeed.runtime.data_pipeline.data_routing.scheduler`'s path under deepfleet."""
+
+from deepfleet.engine.data_routing import RandomLTDScheduler  # noqa: F401 - DeepSpeed's path
