@@ -73,6 +73,7 @@ from deepfleet.engine.config_optim import (
     SchedulerConfig,
 )
 from deepfleet.engine.config_pipeline import PipelineConfig
+from deepfleet.engine.config_privacy import DifferentialPrivacyConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_zero import AioConfig, ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
@@ -194,6 +195,9 @@ class DeepFleetConfig(ConfigSection):
     """DeepSpeed's options of the `deepspeed.checkpointing` API (engine/compat/checkpointing.py)."""
     deepfleet_activation_checkpointing: BlockCheckpointingConfig = Field(default_factory=BlockCheckpointingConfig)
     """deepfleet's own: checkpoint the model's blocks from the config (engine/activation_checkpointing.py)."""
+    differential_privacy: DifferentialPrivacyConfig = Field(default_factory=DifferentialPrivacyConfig)
+    """DP-SGD: per-sample clipping, Gaussian noise and an (epsilon, delta) accountant (deepfleet's own
+    section; engine/privacy.py)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:
