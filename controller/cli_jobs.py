@@ -240,6 +240,25 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"{e['time'][:19]}  a{e['attempt'] if e['attempt'] is not None else '-'}  "
                            f"{e['type']:<24} {e['message']}")
 
+    @app.command()
+    def provenance(
+        job_id: str,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the whole chain as JSON.")] = False,
+        url: UrlOpt = None, token: TokenOpt = None,
+    ) -> None:
+        """Print a job's provenance: spec and engine-config hashes, code, versions, data and checkpoint
+        lineage, with the hash chain's verification. Exits 1 when the chain does not verify."""
+        with _client(url, token) as client:
+            chain = _call(client.provenance, job_id)
+        if as_json:
+            typer.echo(json.dumps(chain, indent=2))
+        else:
+            _print_provenance(chain)
+        if not chain["verified"]:
+            for line in chain["problems"]:
+                typer.echo(f"TAMPERED: {line}", err=True)
+            raise typer.Exit(1)
+
     token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
     app.add_typer(token_app, name="token")
 
@@ -374,3 +393,36 @@ def _max_steps(client: Any, job_id: str) -> int | None:
         if arg.startswith(("--steps=", "--max-steps=")) and arg.split("=", 1)[1].isdigit():
             return int(arg.split("=", 1)[1])
     return None
+
+
+def _print_provenance(chain: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"provenance of job {chain['job_id']}", show_lines=False)
+    for column in ("seq", "kind", "attempt", "time", "what", "hash"):
+        table.add_column(column)
+    for r in chain["records"]:
+        table.add_row(str(r["seq"]), r["kind"], "-" if r["attempt"] is None else str(r["attempt"]), r["time"][:19],
+                      _summary(r["kind"], r["data"]), r["hash"][:16])
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"head {chain['head']}  " + ("verified" if chain["verified"] else "NOT VERIFIED"))
+
+
+def _summary(kind: str, d: dict) -> str:
+    if kind == "submit":
+        engine = d.get("engine_config_sha256")
+        return (f"spec sha256 {d['spec_sha256'][:16]}, engine config "
+                f"{engine[:16] if engine else 'none inline'}, deepfleet {d.get('deepfleet_version')}")
+    if kind == "attempt":
+        code = d.get("code") or {}
+        ident = code.get("image_digest") or code.get("image") or code.get("file_sha256") or "unknown code"
+        commit = f", git {code['git_commit'][:12]}" if code.get("git_commit") else ""
+        resumed = d.get("resumed_from")
+        return f"{d['backend']} {d['run_name']}: {ident}{commit}" + (f"; resumes {resumed}" if resumed else "")
+    if kind == "runtime":
+        return f"torch {d['torch_version']}"
+    if kind == "dataset":
+        return f"{d['uri']} {d['digest']}"
+    return f"checkpoint {d['tag']} at step {d['step']}"

@@ -88,6 +88,9 @@ class Client:
     def goodput(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}/goodput").json()
 
+    def provenance(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/jobs/{job_id}/provenance").json()
+
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
         return self._request("GET", f"/v1/jobs/{job_id}/metrics").json()["points"]
 

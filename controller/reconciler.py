@@ -37,8 +37,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from deepfleet.controller import lifecycle, scheduler
+from deepfleet.controller import provenance as prov
 from deepfleet.controller.backends.base import Backend, BackendError, Observation, RunPhase
 from deepfleet.controller.compile import compile_submission
+from deepfleet.controller.confine import code_dir_for
+from deepfleet.controller.db import provenance as chain
 from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
 from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
@@ -339,6 +342,7 @@ class Reconciler:
                               run_name=sub.name, phase=RunPhase.PENDING.value,
                               nodes=sub.worker_spec.nodes.max, exit_codes={})
             s.add(attempt)
+            append_attempt_record(s, job, attempt, now, workdir=getattr(self.backend, "workdir", None))
             job.claim_expires_at = now + timedelta(seconds=self.config.lease_seconds)
             s.commit()
         self.backend.submit(sub)
@@ -379,3 +383,26 @@ def _event(s: Session, job: Job, reason: str, message: str, now: datetime, *, ac
            data: dict | None = None) -> None:
     s.add(Event(job_id=job.id, time=now, actor=actor, type=reason, message=message, attempt=job.current_attempt,
                 data=data))
+
+
+def append_attempt_record(s: Session, job: Job, attempt: Attempt, now: datetime, *, workdir: str | None) -> None:
+    """The attempt's provenance record: its run, the code it runs (the image and its digest on a
+    cluster; the script's or factory module's sha256 and git commit locally, resolved in the local
+    backend's `workdir`) and what it resumes from (the newest complete checkpoint an earlier attempt
+    reported, with the attempt that wrote it, or the job named in checkpoint.resumeFrom)."""
+    document = job.spec.get("spec", {})
+    code: dict = prov.image_identity(document.get("image"))
+    if attempt.backend == "local":
+        root = code_dir_for(workdir or ".", project=job.project)
+        code = {**code, **prov.local_code_identity(document.get("entrypoint", {}), root)}
+    resumed: dict | None = None
+    saved = [r for r in chain.records(s, job.id) if r.kind == "checkpoint"]
+    if attempt.number > 0 and saved:
+        resumed = {"attempt": saved[-1].data["attempt"], "tag": saved[-1].data["tag"], "step": saved[-1].data["step"]}
+    elif (document.get("checkpoint") or {}).get("resumeFrom"):
+        resumed = {"job": document["checkpoint"]["resumeFrom"]}
+    chain.append(s, job.id, "attempt", {
+        "attempt": attempt.number, "backend": attempt.backend, "run_name": attempt.run_name,
+        "nodes": attempt.nodes, "code": code, "deepfleet_version": prov.deepfleet_version(),
+        "resumed_from": resumed,
+    }, attempt=attempt.number, time=now)

@@ -278,6 +278,13 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
     def loss_scale(self) -> float:
         return self.precision.loss_scale
 
+    def record_dataset(self, uri: str, digest: str | None = None) -> str:
+        """Report the data source this run trains on for the job's provenance (a local path is hashed
+        when `digest` is omitted; see `deepfleet.engine.provenance`). Returns the digest."""
+        from deepfleet.engine.provenance import record_dataset
+
+        return record_dataset(uri, digest)
+
     # --- checkpoints (deepfleet.engine.checkpoint does the work) -------------------------------------
 
     def save_checkpoint(

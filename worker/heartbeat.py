@@ -181,7 +181,7 @@ class HeartbeatSink:
     def heartbeat(self, **fields: Any) -> Heartbeat:
         """A heartbeat of the newest step (fields override: e.g. loss=None after the run)."""
         m = self.last
-        values: dict[str, Any] = {"step": 0, "last_complete_checkpoint": self.last_checkpoint()}
+        values: dict[str, Any] = {"step": 0, "last_complete_checkpoint": self.last_checkpoint(), **_provenance()}
         if m is not None:
             rate = self._tokens / self._elapsed if self._tokens is not None and self._elapsed > 0 else None
             values.update(step=m.step, loss=m.loss, lr=m.lr, grad_norm=_finite(m.grad_norm), tokens_per_s=rate,
@@ -193,6 +193,16 @@ class HeartbeatSink:
         """Submit a heartbeat now (never blocks) and start a new throughput window."""
         self.reporter.submit(self.heartbeat(**fields))
         self._tokens, self._elapsed = None, 0.0
+
+
+def _provenance() -> dict[str, Any]:
+    # The engine is loaded in every process that builds a sink: torch's version and the datasets the
+    # training code reported ride along in every heartbeat (the controller records what is new).
+    import torch
+
+    from deepfleet.engine.provenance import reported
+
+    return {"torch_version": torch.__version__, "datasets": reported()}
 
 
 def _finite(x: float | None) -> float | None:

@@ -424,6 +424,13 @@ MISSING_STEPS = "{key}: a factory entrypoint needs it; set {key} to the optimize
 
 
 # ---------------------------------------------------------------------------------------------- reports
+class DatasetFingerprint(_Model):
+    """One data source a run trains on: its URI and digest ("sha256:<hex>" or the user's own)."""
+
+    uri: str = Field(min_length=1, max_length=2048)
+    digest: str = Field(min_length=1, max_length=256)
+
+
 class Heartbeat(_Model):
     """What rank 0 posts every `heartbeat.interval_s` (DESIGN.md, "Heartbeat")."""
 
@@ -435,6 +442,9 @@ class Heartbeat(_Model):
     last_complete_checkpoint: str | None = Field(None, description="Tag of the newest COMPLETE checkpoint.")
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilization of the newest step (0..1).")
     checkpoint_s: float | None = Field(None, ge=0, description="Seconds this attempt has spent saving checkpoints.")
+    torch_version: str | None = Field(None, max_length=64, description="torch.__version__ in the training process.")
+    datasets: list[DatasetFingerprint] = Field(
+        [], max_length=64, description="Data sources the training code reported (engine.record_dataset).")
     time: datetime = Field(default_factory=lambda: datetime.now(timezone.utc), description="UTC, when taken.")
 
 

@@ -40,6 +40,8 @@ from deepfleet.controller.api.schemas import (
     JobSummary,
     MetricPoint,
     Metrics,
+    Provenance,
+    ProvenanceRecordOut,
 )
 from deepfleet.controller.bounds import MAX_DEPTH, DocumentTooLarge, check_document, short_errors
 from deepfleet.controller.db import jobs as store
@@ -230,6 +232,18 @@ def job_events(
         select(Event).where(Event.job_id == job.id, Event.id > after).order_by(Event.id).limit(limit)
     ).all()
     return EventList(items=[EventOut.of(e) for e in rows], next_after=rows[-1].id if len(rows) == limit else None)
+
+
+@router.get("/{job_id}/provenance", response_model=Provenance, responses=ERRORS, summary="A job's provenance")
+def job_provenance(job_id: str, principal: PrincipalDep, session: SessionDep) -> Provenance:
+    """The job's provenance chain, oldest record first, and whether every hash and link still holds."""
+    from deepfleet.controller.db import provenance as chain
+
+    job = project_job(session, principal, job_id)
+    rows = [chain.as_dict(r) for r in chain.records(session, job.id)]
+    problems = chain.verify(session, job.id)
+    return Provenance(job_id=job.id, head=rows[-1]["hash"] if rows else None, verified=not problems,
+                      problems=problems, records=[ProvenanceRecordOut(**r) for r in rows])
 
 
 @router.get("/{job_id}/metrics", response_model=Metrics, responses=ERRORS, summary="A job's training metrics")

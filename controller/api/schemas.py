@@ -238,3 +238,24 @@ class QueueQuota(BaseModel):
 
     max_processes: int | None = Field(None, ge=0, le=1_000_000)
     max_gpus: int | None = Field(None, ge=0, le=1_000_000)
+
+
+class ProvenanceRecordOut(BaseModel):
+    """One link of the chain: `hash` is sha256 of the canonical JSON of every other field."""
+
+    job_id: str
+    seq: int
+    kind: str = Field(description="submit | attempt | runtime | dataset | checkpoint")
+    attempt: int | None
+    time: str
+    data: dict[str, Any]
+    prev_hash: str
+    hash: str
+
+
+class Provenance(BaseModel):
+    job_id: str
+    head: str | None = Field(description="The newest record's hash (what an exported model carries).")
+    verified: bool = Field(description="Every record's hash and link recomputed and found intact.")
+    problems: list[str]
+    records: list[ProvenanceRecordOut]

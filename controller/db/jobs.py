@@ -16,6 +16,8 @@ from typing import Any
 from sqlalchemy import Select, and_, exists, func, or_, select
 from sqlalchemy.orm import Session, defer
 
+from deepfleet.controller import provenance as prov
+from deepfleet.controller.db import provenance as chain
 from deepfleet.controller.db.models import (
     JOB_PHASES,
     TERMINAL_PHASES,
@@ -111,6 +113,13 @@ def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[st
     session.flush()
     record_event(session, job.id, actor=actor, type="Submitted", time=now,
                  message=f"{s.backend} job, {job.world_size} processes, queue {s.queue}")
+    engine = prov.normalized_engine_config(job.spec, job.world_size)
+    chain.append(session, job.id, "submit", {
+        "spec": job.spec, "spec_sha256": prov.sha256_json(job.spec),
+        "engine_config": engine, "engine_config_sha256": prov.sha256_json(engine) if engine is not None else None,
+        "submitted_by": actor, "deepfleet_version": prov.deepfleet_version(),
+        **({"resumed_from_job": source} if source is not None else {}),
+    }, time=now)
     return job
 
 
@@ -208,7 +217,24 @@ def record_heartbeat(session: Session, job: Job, report: HeartbeatReport, *, att
     if report.last_complete_checkpoint and report.last_complete_checkpoint != previous:
         record_event(session, job.id, actor="worker:0", type="CheckpointSaved", attempt=row.attempt,
                      message=f"checkpoint {report.last_complete_checkpoint} complete at step {report.step}")
+    _record_provenance(session, job, report, attempt=row.attempt)
     return row
+
+
+def _record_provenance(session: Session, job: Job, report: HeartbeatReport, *, attempt: int) -> None:
+    """Append what this heartbeat brings that the chain lacks: the attempt's torch version, newly
+    reported datasets, and a newly completed checkpoint (with the attempt that wrote it)."""
+    if report.torch_version and not chain.recorded(session, job.id, "runtime", attempt=attempt):
+        chain.append(session, job.id, "runtime", {"attempt": attempt, "torch_version": report.torch_version},
+                     attempt=attempt)
+    for d in report.datasets:
+        if not chain.recorded(session, job.id, "dataset", uri=d.uri, digest=d.digest, attempt=attempt):
+            chain.append(session, job.id, "dataset", {"attempt": attempt, "uri": d.uri, "digest": d.digest},
+                         attempt=attempt)
+    tag = report.last_complete_checkpoint
+    if tag and not chain.recorded(session, job.id, "checkpoint", tag=tag):
+        chain.append(session, job.id, "checkpoint", {"attempt": attempt, "tag": tag, "step": report.step},
+                     attempt=attempt)
 
 
 def record_failure_report(session: Session, job: Job, report: FailureReport) -> Event:

@@ -280,3 +280,24 @@ class StoredSecret(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_by: Mapped[str | None] = mapped_column(String(64))
+
+
+class ProvenanceRecord(Base):
+    """One link of a job's append-only provenance chain (`controller.provenance`): never updated; each
+    row holds the previous row's hash, so `verify` detects an edited or removed row."""
+
+    __tablename__ = "provenance_records"
+    __table_args__ = (UniqueConstraint("job_id", "seq", name="uq_provenance_records_job_seq"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    """0, 1, 2, ... within the job."""
+    kind: Mapped[str] = mapped_column(String(16))
+    """submit | attempt | runtime | dataset | checkpoint."""
+    attempt: Mapped[int | None] = mapped_column(Integer)
+    time: Mapped[str] = mapped_column(String(40))
+    """ISO 8601 UTC text, exactly as hashed."""
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64))

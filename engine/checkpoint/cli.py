@@ -111,12 +111,20 @@ def export(
     out: Annotated[Path, typer.Option("--out", "-o", help="The safetensors file to write.")],
     dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16 for floating-point tensors.")] = "fp32",
     budget_mb: Annotated[int, typer.Option("--budget-mb", min=1, help="Most tensor MiB held at once.")] = 256,
+    provenance: Annotated[Path | None, typer.Option(
+        "--provenance", help="The job's provenance (`deepfleet provenance JOB --json` output) to embed.")] = None,
 ) -> None:
     """Write the model weights as one consolidated safetensors file, streaming tensor by tensor."""
     from deepfleet.engine.checkpoint.export import export_safetensors
+    from deepfleet.engine.provenance import model_metadata
 
     try:
-        report = export_safetensors(resolve_step_dir(directory), out, dtype=dtype, budget_bytes=budget_mb << 20)
+        metadata = model_metadata(json.loads(provenance.read_text())) if provenance is not None else None
+    except (OSError, ValueError) as e:
+        raise _fail(f"--provenance: {e}; give the JSON file `deepfleet provenance JOB --json` writes") from None
+    try:
+        report = export_safetensors(resolve_step_dir(directory), out, dtype=dtype, budget_bytes=budget_mb << 20,
+                                    metadata=metadata)
     except CheckpointError as e:
         raise _fail(str(e)) from None
     typer.echo(json.dumps({"out": str(report.path), "tensors": report.tensors, "bytes": report.bytes}))

@@ -61,13 +61,19 @@ def export_safetensors(
     dtype: str = "fp32",
     budget_bytes: int = 256 << 20,
     verify: bool = True,
+    metadata: dict[str, str] | None = None,
 ) -> ExportReport:
     """Write the model weights of complete checkpoint `step_dir` to safetensors file `out`.
 
     Floating-point tensors are cast to `dtype` ("fp32", "bf16" or "fp16"); integer buffers keep theirs.
     Names are the model's FQNs (no "model." prefix). Raises CheckpointError for an incomplete,
-    corrupted or model-less checkpoint and for an unknown dtype.
+    corrupted or model-less checkpoint and for an unknown dtype. `metadata` (string to string, e.g. the
+    job's provenance from `deepfleet.controller.provenance.safetensors_metadata`) is added to the file's
+    `__metadata__`.
     """
+    for key, value in (metadata or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CheckpointError(f"metadata.{key}: safetensors metadata holds strings only; pass str values")
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype: {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     target = DTYPES[dtype]
@@ -82,7 +88,7 @@ def export_safetensors(
 
     # The header: every tensor's final dtype, shape and byte range, in name order.
     entries: list[tuple[str, str, tuple[int, ...], torch.dtype, torch.dtype]] = []
-    header: dict[str, dict] = {"__metadata__": {"format": "pt", "source": str(reader.step_dir)}}
+    header: dict[str, dict] = {"__metadata__": {**(metadata or {}), "format": "pt", "source": str(reader.step_dir)}}
     offset = 0
     for key in sorted(saved):
         shape, stored = saved[key]
