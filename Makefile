@@ -12,7 +12,7 @@ TORCH_PIN := torch==2.13.0
 TORCH_INDEX ?=
 # Progress is shown (pip's bar and one line per package): a first install takes minutes.
 PIP_FLAGS ?= --progress-bar on
-EXTRAS := engine,inference,hf,kernels,controller,kubernetes,azure,monitor,dev
+EXTRAS := engine,inference,hf,kernels,privacy,controller,kubernetes,azure,monitor,dev
 PYTEST_ARGS ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1

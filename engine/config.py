@@ -69,6 +69,7 @@ from deepfleet.engine.config_optim import (
     SchedulerConfig,
 )
 from deepfleet.engine.config_pipeline import PipelineConfig
+from deepfleet.engine.config_privacy import DifferentialPrivacyConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_zero import AioConfig, ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
@@ -186,6 +187,9 @@ class DeepFleetConfig(ConfigSection):
     """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
     moe: MoEConfig | None = None
     """Mixture-of-Experts shape and expert-parallel degree (deepfleet's own section; engine/moe/)."""
+    differential_privacy: DifferentialPrivacyConfig = Field(default_factory=DifferentialPrivacyConfig)
+    """DP-SGD: per-sample clipping, Gaussian noise and an (epsilon, delta) accountant (deepfleet's own
+    section; engine/privacy.py)."""
 
     @model_validator(mode="after")
     def _resolve_and_check(self, info: ValidationInfo) -> DeepFleetConfig:

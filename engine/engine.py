@@ -38,6 +38,7 @@ from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
 from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_size
 from deepfleet.engine.parallel import ParallelDims
+from deepfleet.engine.privacy import DPSGD, build_privacy
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         parallel: ParallelDims,
         training_dataloader: TrainingDataLoader | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        privacy: DPSGD | None = None,
     ) -> None:
         super().__init__()
         self.module = model  # the user's unwrapped model (its parameters may be sharded at stage 3)
@@ -66,6 +68,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.lr_scheduler = training.lr_scheduler
         self.compression = training.compression  # compression schedule (engine/compression/) or None
         self.training_dataloader = training_dataloader
+        self.privacy = privacy  # DP-SGD (engine/privacy.py) or None
         # progressive layer drop / legacy curriculum: keywords for the model's forward (engine/curriculum.py)
         self.model_schedules = ModelSchedules(config)
         self.random_ltd_scheduler = None  # random-LTD (engine/data_routing.py), when configured
@@ -99,7 +102,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model on one micro-batch. Gradient sync is set here, before the forward, because
         DDP decides at forward time whether the coming backward communicates."""
-        self.sharding.set_gradient_sync(self.is_gradient_accumulation_boundary())
+        # DP-SGD clips per sample over all parameters first: nothing is reduced inside backward
+        self.sharding.set_gradient_sync(self.privacy is None and self.is_gradient_accumulation_boundary())
         if torch.is_grad_enabled():  # a training micro-batch (evaluation forwards count no tokens)
             self._recorder.micro_batch(args, kwargs)
         kwargs = {**kwargs, **self.model_schedules.forward_kwargs(
@@ -167,8 +171,11 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
                     loss, self.module, seed=self.global_steps, group=self.parallel.dp_group)
             self._eigenvalue_fresh = True
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
-        with self._recorder.timed("backward"), self._counting("backward"):
+        quiet = self.privacy.backward_context() if self.privacy is not None else contextlib.nullcontext()
+        with self._recorder.timed("backward"), self._counting("backward"), quiet:
             self.precision.scale_loss(loss / divisor).backward(retain_graph=retain_graph)
+            if self.privacy is not None:
+                self.privacy.after_backward()
         self.memory.sample("backward")
         return loss
 
@@ -216,6 +223,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         )
         if self.flops is not None:
             metrics = dataclasses.replace(metrics, **self.flops.figures(metrics))
+        if self.privacy is not None:
+            metrics = dataclasses.replace(metrics, dp_epsilon=self.privacy.epsilon(), dp_delta=self.privacy.delta)
         if self._eigenvalue_fresh:  # estimated in this window
             metrics = dataclasses.replace(metrics, block_eigenvalues=tuple(self.eigenvalue.last_raw))
             self._eigenvalue_fresh = False
@@ -226,6 +235,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
 
     def _finish_gradients(self) -> bool:
         """Reduce the window's gradients (the strategy's); True when some rank overflowed."""
+        if self.privacy is not None:
+            self.privacy.finish()
         return self.sharding.finish_gradients(grad_scale=self.precision.loss_scale)
 
     def _clip_gradients(self) -> float:
@@ -260,6 +271,12 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
 
     def get_lr(self) -> list[float]:
         return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def privacy_spent(self) -> tuple[float, float] | None:
+        """`(epsilon, delta)` spent so far under `differential_privacy`; None when it is disabled."""
+        if self.privacy is None:
+            return None
+        return self.privacy.epsilon(), self.privacy.delta
 
     def get_global_grad_norm(self) -> float | None:
         """The pre-clip global gradient norm of the last optimizer step (None before the first)."""
@@ -425,10 +442,20 @@ def initialize(
         )
     if cfg.compile.enabled:  # after the strategy has wrapped it, so the compiled graph holds its hooks
         training.sharding.module.compile(backend=cfg.compile.backend, **cfg.compile.kwargs)
-    engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader)
+    privacy = build_privacy(cfg, model, training.sharding, group=parallel.grad_group, dp_size=parallel.dp_size,
+                            dataset_size=_length(training_data))
+    engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader,
+                             privacy=privacy)
     compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
     compat_zero.register_module(model)    # deepspeed.zero.GatheredParameters finds its shards' owners
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _length(data: Any) -> int | None:
+    try:
+        return len(data) if data is not None else None
+    except TypeError:  # an iterable dataset
+        return None
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -90,6 +90,11 @@ class StepMetrics:
     """On guard steps: the largest ||compressed - exact|| / ||exact|| over the step's reductions."""
     comm_loss_delta: float | None = None
     """On guard steps: the relative change of the rank-averaged loss since the previous guard step."""
+    dp_epsilon: float | None = None
+    """Epsilon spent so far under DP-SGD (`differential_privacy`, engine/privacy.py) at `dp_delta`; None
+    without it."""
+    dp_delta: float | None = None
+    """The delta of `dp_epsilon`."""
 
 
 @runtime_checkable

@@ -127,7 +127,10 @@ class _Buffers:
                 self._cv.wait()
             buf = self._free.pop()
         if len(buf) < nbytes:
-            buf.extend(bytes(nbytes - len(buf)))
+            try:
+                buf.extend(bytes(nbytes - len(buf)))
+            except BufferError:  # a tensor still views it: leave it to that tensor, use a new one
+                buf = bytearray(nbytes)
         return buf
 
     def give(self, buf: bytearray) -> None:

@@ -73,16 +73,17 @@ def test_bad_nvme_path_is_one_line_naming_the_key(tmp_path: Path, monkeypatch: p
     assert not any(full.iterdir())  # checked before anything is written
 
 
-def test_nvme_chunks_step_exactly_like_the_plain_optimizer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("aio", [{"overlap_events": True}, {"overlap_events": False}, {"single_submit": True}])
+def test_nvme_chunks_step_exactly_like_the_plain_optimizer(tmp_path: Path, aio: dict) -> None:
     """Single process, no strategy: the chunked step over files equals torch's AdamW step for step,
-    with the read-ahead and background writes on and off."""
+    with the read-ahead and background writes on and off, under each way of issuing the requests."""
     from types import SimpleNamespace
 
     from deepfleet.engine.config_zero import AioConfig
     from deepfleet.engine.zero.nvme import NvmeOptimizerOffload
 
     torch.manual_seed(0)
-    ref = [torch.randn(7, 3), torch.randn(11), torch.randn(2, 2)]
+    ref = [torch.randn(7, 3), torch.randn(11), torch.randn(2, 2), torch.randn(1500)]  # 1500: several requests
     for pipeline in (False, True):
         mine = [t.clone() for t in ref]
         plain_t = [t.clone() for t in ref]
@@ -90,10 +91,10 @@ def test_nvme_chunks_step_exactly_like_the_plain_optimizer(tmp_path: Path) -> No
         opt = torch.optim.AdamW(mine, lr=1e-2, amsgrad=True)
         plain_lr = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
         section = SimpleNamespace(buffer_count=2, pipeline_read=pipeline, pipeline_write=pipeline)
-        off = NvmeOptimizerOffload(opt, section, AioConfig(block_size=4096, queue_depth=1, thread_count=2),
+        off = NvmeOptimizerOffload(opt, section, AioConfig(block_size=4096, queue_depth=1, thread_count=2, **aio),
                                    chunk_elements=15, directory=tmp_path / f"p{pipeline}")
         lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # re-binds type(opt).step
-        assert len(off.chunks) == 2
+        assert len(off.chunks) == 3
         for step in range(3):
             g = torch.Generator().manual_seed(step)
             for a, b in zip(mine, plain_t, strict=True):

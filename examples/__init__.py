@@ -1,0 +1,1 @@
+"""Example training scripts and models (importable as `examples.*` from the repository root)."""
