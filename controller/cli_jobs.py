@@ -259,6 +259,25 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"TAMPERED: {line}", err=True)
             raise typer.Exit(1)
 
+    @app.command()
+    def register(
+        model: Annotated[Path, typer.Argument(help="An exported model (safetensors) that carries its job's provenance.")],
+        name: Annotated[str, typer.Option("--name", help="Registered model name.")],
+        tracking_uri: Annotated[str | None, typer.Option(
+            "--tracking-uri", envvar="MLFLOW_TRACKING_URI", help="Default: a local store under --store-dir.")] = None,
+        store_dir: Annotated[Path, typer.Option("--store-dir", help="The local store's folder.")] = Path("mlruns"),
+    ) -> None:
+        """Register an exported model in MLflow's model registry, tagged with its job id and provenance head."""
+        from deepfleet.controller.registry import RegistryError, register_model
+
+        try:
+            entry = register_model(model, name=name, tracking_uri=tracking_uri, store_dir=store_dir)
+        except RegistryError as e:
+            typer.echo(str(e), err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"registered {entry.name} version {entry.version} (job {entry.job_id}, "
+                    f"provenance {entry.provenance_head[:16]}) from {entry.source}")
+
     token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
     app.add_typer(token_app, name="token")
 
