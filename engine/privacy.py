@@ -70,6 +70,9 @@ def build_privacy(
     if config.gradient_clipping:
         raise ValueError("differential_privacy.enabled: gradient_clipping is set; per-sample clipping is "
                          "differential_privacy.max_grad_norm, set gradient_clipping to 0")
+    if getattr(getattr(config, "eigenvalue", None), "enabled", False):
+        raise ValueError("differential_privacy.enabled: not supported with eigenvalue (its Hessian-vector "
+                         "products would run through the per-sample hooks); disable one of them")
     sample_rate = section.sample_rate
     if sample_rate is None:
         n = section.dataset_size or dataset_size

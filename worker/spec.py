@@ -442,6 +442,8 @@ class Heartbeat(_Model):
     last_complete_checkpoint: str | None = Field(None, description="Tag of the newest COMPLETE checkpoint.")
     mfu: float | None = Field(None, ge=0, description="Model FLOPs utilization of the newest step (0..1).")
     checkpoint_s: float | None = Field(None, ge=0, description="Seconds this attempt has spent saving checkpoints.")
+    dp_epsilon: float | None = Field(None, ge=0, description="Epsilon spent so far under DP-SGD (at dp_delta).")
+    dp_delta: float | None = Field(None, gt=0, lt=1, description="The delta of dp_epsilon.")
     torch_version: str | None = Field(None, max_length=64, description="torch.__version__ in the training process.")
     datasets: list[DatasetFingerprint] = Field(
         [], max_length=64, description="Data sources the training code reported (engine.record_dataset).")

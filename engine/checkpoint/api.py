@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 # One writer per engine (it owns a process group and the in-flight async save); dropped with the engine.
 _WRITERS: weakref.WeakKeyDictionary[Any, StepWriter] = weakref.WeakKeyDictionary()
 
-_OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader", "compression", "model_schedules")
+_OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader", "compression", "model_schedules",
+                      "privacy")
 
 
 def writer_for(engine: Any) -> StepWriter:

@@ -78,9 +78,12 @@ class Estimate:
     def model_state(self) -> float:
         return self.params + self.grads + self.optimizer + self.master + self.buckets
 
-    @property
-    def total(self) -> float:
-        return self.model_state + self.activations
+    total: float = 0.0
+    """The step's high-water mark: the larger of its two phases (see `peak_phase`), so not always the
+    sum of the categories, which are each one's own largest."""
+    peak_phase: str = "backward"
+    """"backward" (activations at their largest, at the end of forward) or "reduction" (gradients
+    reduced and buffered after the activations are freed)."""
 
     def fits(self, budget_bytes: float | None) -> bool:
         return budget_bytes is None or self.total <= budget_bytes
@@ -88,7 +91,7 @@ class Estimate:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["choice"]["checkpoint"] = list(self.choice.checkpoint)
-        out.update(model_state=self.model_state, total=self.total)
+        out.update(model_state=self.model_state)
         return out
 
 
@@ -156,10 +159,12 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
     grads = {0: full_grads, 1: 0.0, 2: shard(p * 4), 3: shard(p * 4)}[stage]
     # Stage 1 holds the full gradients only while it reduces them (after backward, with one flat
     # reduce buffer); stage 2 packs each final gradient into its bucket during backward; stage 3
-    # gathers a unit and the next one and holds a unit's unsharded gradients while it reduce-scatters.
-    during_backward = {0: 0.0, 1: 0.0, 2: bucket, 3: 0.0}[stage]
+    # holds the last block's gathered parameters when backward starts, and later its gradient shards
+    # (freed between steps), a gathered unit, the one prefetched and a unit's unsharded gradients.
     unit = profile.largest_block_params
+    during_backward = {0: 0.0, 1: 0.0, 2: bucket, 3: unit * elem}[stage]
     reduce_phase = {0: 0.0, 1: full_grads + bucket, 2: bucket, 3: 2 * unit * elem + unit * 4}[stage]
+    persistent_grads = 0.0 if stage == 3 else grads
     offloaded: dict[str, float] = {"cpu": 0.0, "nvme": 0.0}
     host_bytes = nvme_bytes = 0.0
     if choice.offload_optimizer != "none" and stage >= 1:
@@ -169,13 +174,15 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
         # Gradient shards down to the host and updated parameter shards back, every step.
         host_bytes += shard(p * 4) + shard(p * elem)
         if choice.offload_optimizer == "nvme":
-            offloaded["cpu"] += _nvme_buffers(config, "offload_optimizer")
+            chunk = min(zero.sub_group_size or p, shard(p)) * 4 * (states + (1 if masters else 0))
+            offloaded["cpu"] += _nvme_buffers(config, "offload_optimizer", chunk_bytes=chunk)
             nvme_bytes += 2 * moved  # read and write back every optimizer state byte per step
     if choice.offload_param != "none" and stage == 3:
         offloaded[choice.offload_param] += params
         host_bytes += 2 * params  # shards fetched for forward and again for backward
         if choice.offload_param == "nvme":
-            offloaded["cpu"] += _nvme_buffers(config, "offload_param")
+            size = getattr(zero.offload_param, "buffer_size", 100_000_000) or 0
+            offloaded["cpu"] += _nvme_buffers(config, "offload_param", chunk_bytes=size * elem)
             nvme_bytes += 2 * params
         params = 0.0
 
@@ -186,22 +193,26 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
     act = max(0.0, act)
     # The step's high-water mark is the larger of its two phases: end of forward (activations at
     # their largest) and the gradient reduction (activations mostly freed by then).
-    # `buckets` is what the larger phase holds beyond the persistent state and the activations.
-    buckets = max(during_backward, reduce_phase - act)
+    base = params + optimizer + master + persistent_grads
+    backward_peak = base + act + during_backward
+    reduction_peak = base + reduce_phase + (grads - persistent_grads)
+    phase = "backward" if backward_peak >= reduction_peak else "reduction"
+    buckets = during_backward if phase == "backward" else reduce_phase
     ckpt_params = sum(profile.blocks[i].params for i in choice.checkpoint)
     recompute = 1.0 + (ckpt_params / max(1, profile.num_params)) / 3.0
     return Estimate(choice=choice, params=params, grads=grads, optimizer=optimizer, master=master,
                     buckets=buckets, activations=act, activations_without_checkpointing=act_plain,
                     offloaded={k: v for k, v in offloaded.items() if v}, recompute=recompute,
                     comm_volume=3.0 if stage == 3 else 2.0, host_transfer_bytes=host_bytes,
-                    nvme_transfer_bytes=nvme_bytes)
+                    nvme_transfer_bytes=nvme_bytes, total=max(backward_peak, reduction_peak), peak_phase=phase)
 
 
-def _nvme_buffers(config: DeepFleetConfig, section: str) -> float:
+def _nvme_buffers(config: DeepFleetConfig, section: str, *, chunk_bytes: float) -> float:
+    """Host staging buffers of NVMe offload: `buffer_count` buffers of one chunk each (the optimizer's
+    chunk is `sub_group_size` parameters' state; a parameter buffer is `buffer_size` elements)."""
     sec = getattr(config.zero_optimization, section, None)
     count = getattr(sec, "buffer_count", 4) or 0
-    size = getattr(sec, "buffer_size", 100_000_000) or 0
-    return float(count * size * 4)
+    return float(count * chunk_bytes)
 
 
 def choices(num_blocks: int, *, stages: Sequence[int] = (0, 1, 2, 3), offload: Sequence[str] = OFFLOAD_DEVICES,

@@ -21,6 +21,7 @@ SIZES = {
     "medium": GPTConfig(vocab_size=256, seq_len=64, d_model=96, n_heads=4, n_layers=4),
 }
 MICRO = 2
+NVME_CHUNK = 8192  # parameters per NVMe chunk (sub_group_size)
 
 
 def gpt(size: str = "small", seed: int = 0) -> dict[str, Any]:
@@ -33,12 +34,18 @@ def gpt(size: str = "small", seed: int = 0) -> dict[str, Any]:
     return {"model": GPTWithLoss(cfg), "training_data": data}
 
 
-def engine_config(stage: int, *, micro: int = MICRO) -> dict[str, Any]:
+def engine_config(stage: int, *, micro: int = MICRO, nvme_path: str | None = None) -> dict[str, Any]:
+    """fp32 AdamW at `stage`; with `nvme_path`, the optimizer state offloaded to files there (two
+    staging buffers of chunks of `NVME_CHUNK` parameters)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if nvme_path:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 2}
+        zero["sub_group_size"] = NVME_CHUNK
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
 
@@ -51,7 +58,8 @@ def _checkpoint_blocks(model: Any) -> None:
         blocks[i] = checkpoint_wrapper(blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def measure(rank: int, world_size: int, *, size: str, stage: int, checkpoint: bool, micro: int = MICRO) -> dict:
+def measure(rank: int, world_size: int, *, size: str, stage: int, checkpoint: bool, micro: int = MICRO,
+            nvme_path: str | None = None) -> dict:
     """This rank's high-water mark over one steady training step (bytes)."""
     import torch
 
@@ -63,7 +71,7 @@ def measure(rank: int, world_size: int, *, size: str, stage: int, checkpoint: bo
     if checkpoint:
         _checkpoint_blocks(model)
     engine, *_ = deepfleet.initialize(model=model, model_parameters=model.parameters(),
-                                      config=engine_config(stage, micro=micro))
+                                      config=engine_config(stage, micro=micro, nvme_path=nvme_path))
     rows = [data[(rank * micro + i) % len(data)] for i in range(micro)]
     batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
     engine.backward(engine(batch))
@@ -81,5 +89,11 @@ def measure(rank: int, world_size: int, *, size: str, stage: int, checkpoint: bo
     return {"peak": live.peak, "start": start}
 
 
-def measure_table(rank: int, world_size: int, cases: list[tuple[str, int, bool]]) -> list[dict]:
-    return [measure(rank, world_size, size=s, stage=st, checkpoint=c) | {"case": (s, st, c)} for s, st, c in cases]
+def measure_table(rank: int, world_size: int, cases: list[tuple], nvme_path: str | None = None) -> list[dict]:
+    """One measurement per case (size, stage, checkpoint[, "nvme"])."""
+    out = []
+    for case in cases:
+        size, stage, ckpt, *offload = case
+        path = nvme_path if offload == ["nvme"] else None
+        out.append(measure(rank, world_size, size=size, stage=stage, checkpoint=ckpt, nvme_path=path) | {"case": case})
+    return out

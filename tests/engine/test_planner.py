@@ -1,13 +1,16 @@
 """The planner (`engine/planner/`): its per-rank peak-memory estimate against the high-water mark
 measured on 2 gloo ranks (`planner_runs.py`), stages 0-3 x checkpointing on/off x 2 model sizes, and
-the memory-budget choice of blocks to checkpoint."""
+stages 1-3 with the optimizer state offloaded to NVMe files; and the memory-budget choice of blocks to
+checkpoint."""
 
 from __future__ import annotations
 
 import functools
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -18,12 +21,17 @@ from tests.engine.planner_runs import SIZES, engine_config, gpt, measure_table
 from tests.spawn import spawn
 
 CASES = [(size, stage, ckpt) for size in SIZES for stage in range(4) for ckpt in (False, True)]
+CASES += [(size, stage, ckpt, "nvme") for size in SIZES for stage in (1, 2, 3) for ckpt in (False, True)]
 TOLERANCE = 0.10
+NVME = tempfile.mkdtemp(prefix="planner-nvme-")
 
 
 @functools.cache
 def _measured() -> list[list[dict]]:
-    return spawn(measure_table, 2, CASES, timeout=300)
+    try:
+        return spawn(measure_table, 2, CASES, NVME, timeout=300)
+    finally:
+        shutil.rmtree(NVME, ignore_errors=True)
 
 
 @functools.cache
@@ -31,12 +39,15 @@ def _profile(size: str):
     return profile_model(gpt, {"size": size})
 
 
-@pytest.mark.parametrize(("size", "stage", "ckpt"), CASES)
-def test_planner_is_within_10_percent_of_the_measured_high_water_mark(size: str, stage: int, ckpt: bool) -> None:
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_planner_is_within_10_percent_of_the_measured_high_water_mark(case: tuple) -> None:
+    size, stage, ckpt, *offload = case
     prof = _profile(size)
-    choice = Choice(stage=stage, checkpoint=tuple(range(len(prof.blocks))) if ckpt else ())
-    predicted = estimate(prof, load_config(engine_config(stage), world_size=2), world_size=2, choice=choice).total
-    index = CASES.index((size, stage, ckpt))
+    device = offload[0] if offload else "none"
+    choice = Choice(stage=stage, offload_optimizer=device, checkpoint=tuple(range(len(prof.blocks))) if ckpt else ())
+    cfg = load_config(engine_config(stage, nvme_path=NVME if offload else None), world_size=2)
+    predicted = estimate(prof, cfg, world_size=2, choice=choice).total
+    index = CASES.index(case)
     for rank, results in enumerate(_measured()):
         got = results[index]["peak"]
         assert got > results[index]["start"] > 0
@@ -46,6 +57,9 @@ def test_planner_is_within_10_percent_of_the_measured_high_water_mark(size: str,
 
 def test_checkpointing_lowers_the_measured_peak_as_the_planner_says() -> None:
     by_case = {c: r for c, r in zip(CASES, _measured()[0], strict=True)}
+    for size in SIZES:  # and NVMe offload takes the optimizer state out of memory
+        for stage in (1, 2, 3):
+            assert by_case[(size, stage, False, "nvme")]["peak"] < by_case[(size, stage, False)]["peak"]
     for size in SIZES:
         for stage in (0, 2):
             plain, ckpt = by_case[(size, stage, False)]["peak"], by_case[(size, stage, True)]["peak"]

@@ -103,7 +103,7 @@ def test_heartbeat_sink_reads_step_metrics_and_averages_tokens_per_second(contro
     sink(_metrics(1))  # due at once
     sink(_metrics(2))
     now[0] = 10.0
-    sink(_metrics(3, grad_norm=float("inf"), tokens=300, elapsed_s=1.0, mfu=0.37,
+    sink(_metrics(3, grad_norm=float("inf"), tokens=300, elapsed_s=1.0, mfu=0.37, dp_epsilon=1.25, dp_delta=1e-5,
                   timings={"forward": 0.1, "checkpoint": 2.5}))  # due: covers steps 2 and 3
     sink.reporter.close(flush_s=5)
     beats = controller.bodies("/hb")
@@ -114,6 +114,7 @@ def test_heartbeat_sink_reads_step_metrics_and_averages_tokens_per_second(contro
     assert beats[1]["last_complete_checkpoint"] == "global_step2"
     assert beats[0]["mfu"] is None and beats[1]["mfu"] == 0.37  # MFU from the engine's FLOPs profiler
     assert beats[0]["checkpoint_s"] == 0.0 and beats[1]["checkpoint_s"] == 2.5  # save_checkpoint seconds
+    assert beats[0]["dp_epsilon"] is None and (beats[1]["dp_epsilon"], beats[1]["dp_delta"]) == (1.25, 1e-5)  # DP-SGD
 
 
 def test_step_sink_factory_opts_out_without_an_endpoint_or_off_rank_0() -> None:

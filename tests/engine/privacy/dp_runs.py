@@ -96,8 +96,9 @@ def reference_dp_sgd() -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-def train_rank(rank: int, world_size: int, stages: list[int]) -> dict[int, Any]:
-    """Train with the engine at each stage on `world_size` gloo ranks; the full parameters and epsilon."""
+def train_rank(rank: int, world_size: int, stages: list[int], checkpoint_dir: str | None = None) -> dict[int, Any]:
+    """Train with the engine at each stage on `world_size` gloo ranks; the full parameters and epsilon.
+    With `checkpoint_dir`, the last engine is saved there and a fresh engine loads it ("resumed_epsilon")."""
     import deepfleet.engine as deepspeed
 
     out: dict[int, Any] = {}
@@ -114,5 +115,12 @@ def train_rank(rank: int, world_size: int, stages: list[int]) -> dict[int, Any]:
                 engine.step()
         out[stage] = {"params": [p.detach().float().clone() for p in model.parameters()],
                       "epsilon": engine.privacy_spent(), "metric_epsilon": [m.dp_epsilon for m in seen]}
+        if checkpoint_dir is not None:
+            engine.save_checkpoint(checkpoint_dir, tag="dp")
+            again, *_ = deepspeed.initialize(model=make_model(), config=dp_config(stage, world_size),
+                                             optimizer=lambda groups: torch.optim.SGD(groups, lr=LR))
+            again.load_checkpoint(checkpoint_dir, tag="dp")
+            out[stage]["resumed_epsilon"] = again.privacy_spent()
+            again.destroy()
         engine.destroy()
     return out

@@ -87,11 +87,17 @@ def test_target_epsilon_derives_a_noise_multiplier_that_meets_it() -> None:
     dp.steps = 200
     dp.accountant.history = [(dp.noise_multiplier, 0.01, 200)]
     assert 2.8 < dp.epsilon() <= 3.0
+    resumed = DPSGD(make_model(), object(), section=_section(), sample_rate=0.01, batch_size=4,
+                    gradient_accumulation_steps=1, group=None, dp_size=1, reduce_here=False)
+    resumed.load_state_dict(dp.state_dict())  # what a checkpoint carries (engine/checkpoint/api.py)
+    assert resumed.steps == 200 and resumed.epsilon() == dp.epsilon()
 
 
-def test_two_ranks_match_single_process_dp_sgd_at_zero_0_1_2() -> None:
+@pytest.mark.slow  # three 2-rank engines and one single-rank engine: ~35 s on two cores
+def test_two_ranks_match_single_process_dp_sgd_at_zero_0_1_2(tmp_path) -> None:
     ranks = spawn(train_rank, 2, [0, 1, 2], timeout=120)
-    single = spawn(train_rank, 1, [0], timeout=120)[0][0]
+    single = spawn(train_rank, 1, [0], str(tmp_path), timeout=120)[0][0]
+    assert single["resumed_epsilon"] == single["epsilon"]  # the accountant's history is checkpointed
     reference = reference_dp_sgd()
     for p, r in zip(single["params"], reference, strict=True):  # the engine at one rank = DP-SGD written out
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
