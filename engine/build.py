@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from deepfleet.engine import comm
+from deepfleet.engine.activation_checkpointing import BlockChoice, apply_from_config
 from deepfleet.engine.metrics import StepSink, sinks_from_env
 from deepfleet.engine.moe.balance import bias_balancers
 from deepfleet.engine.moe.utils import place_expert_param_groups
@@ -54,6 +55,7 @@ class Training:
     compression: Any = None  # a CompressionScheduler (stepped with the engine, checkpointed), or None
     flops: Any = None  # StepFlops (FLOPs, MFU, HFU per step; engine/profiling/step_flops.py), or None
     comm_policy: Any = None  # GradientCompression (engine/gradcomp/policy.py), or None
+    checkpointing: list[BlockChoice] = field(default_factory=list)  # per block of blocks(model); [] = none
 
 
 def strategy_class(stage: int) -> StrategyFactory:
@@ -83,6 +85,12 @@ def build_training(
     # 0. Compression before everything: it swaps layers and adds score parameters, which the param
     #    groups (2) must see, and it computes masks from full, unsharded fp32 weights (3 shards them).
     compression = _compression(model, config, process_group=process_group)
+
+    # 0b. Activation checkpointing of the blocks after compression (which swaps layers inside them; the
+    #     checkpoint hooks sit on the blocks) and before sharding: FSDP2's hooks, registered later on the
+    #     same blocks, run outside the checkpoint's, so the recomputation finds parameters gathered by
+    #     FSDP2's pre-backward hook (torch's composition order for fully_shard and checkpoint).
+    checkpointing = apply_from_config(model, config.deepfleet_activation_checkpointing)
 
     # 1. Precision first: the strategy needs the compute dtype, and must see the fp32 model so its
     #    master weights are exact (it casts the model itself, or casts per forward at stage 3).
@@ -129,7 +137,7 @@ def build_training(
     # 9. MoE gates with auxiliary-loss-free balancing update their biases at each step boundary.
     sinks = [*bias_balancers(model, process_group=process_group), *step_sinks(config)]
     return Training(precision, sharding, opt, scheduler, sinks=sinks, compression=compression,
-                    flops=flops, comm_policy=comm_policy)
+                    flops=flops, comm_policy=comm_policy, checkpointing=checkpointing)
 
 
 def _comm_policy(config: Any) -> Any:

@@ -38,6 +38,10 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, ValidationError, ValidationInfo, model_validator
 
+from deepfleet.engine.config_activation_checkpointing import (
+    ActivationCheckpointingConfig,
+    BlockCheckpointingConfig,
+)
 from deepfleet.engine.config_autotuning import AutotuningConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
 from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
@@ -187,6 +191,10 @@ class DeepFleetConfig(ConfigSection):
     """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
     moe: MoEConfig | None = None
     """Mixture-of-Experts shape and expert-parallel degree (deepfleet's own section; engine/moe/)."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    """DeepSpeed's options of the `deepspeed.checkpointing` API (engine/compat/checkpointing.py)."""
+    deepfleet_activation_checkpointing: BlockCheckpointingConfig = Field(default_factory=BlockCheckpointingConfig)
+    """deepfleet's own: checkpoint the model's blocks from the config (engine/activation_checkpointing.py)."""
     differential_privacy: DifferentialPrivacyConfig = Field(default_factory=DifferentialPrivacyConfig)
     """DP-SGD: per-sample clipping, Gaussian noise and an (epsilon, delta) accountant (deepfleet's own
     section; engine/privacy.py)."""

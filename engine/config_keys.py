@@ -64,18 +64,11 @@ def _any(_: Any) -> bool:
 
 
 _SECTION = Unsupported(_never, "drop the section")
-# DeepSpeed's activation-checkpointing options configure its `deepspeed.checkpointing` API; at their
-# defaults (everything off) they change nothing.
-_ACTIVATION_CHECKPOINTING_OFF = {
-    "partition_activations": (False,), "contiguous_memory_optimization": (False,), "cpu_checkpointing": (False,),
-    "number_checkpoints": (None, False), "synchronize_checkpoint_boundary": (False,), "profile": (False,),
-}
 _OFF = Unsupported(_disabled, 'drop the section or set "enabled": false')
 
 # Dotted DeepSpeed keys that this engine does not implement yet.
 NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
-    "activation_checkpointing": Unsupported(_all_off(_ACTIVATION_CHECKPOINTING_OFF), "drop the section"),
     # the data-analyzer curriculum (the sequence-length curriculum is the top-level curriculum_learning)
     "data_efficiency.data_sampling": _OFF,
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": _OFF,  # DeepSpeed refuses it too

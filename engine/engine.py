@@ -26,6 +26,7 @@ from torch import nn
 
 from deepfleet.engine import comm, job_env
 from deepfleet.engine.build import Training, build_training
+from deepfleet.engine.compat import checkpointing as compat_checkpointing
 from deepfleet.engine.compat import groups as compat_groups
 from deepfleet.engine.compat import zero as compat_zero
 from deepfleet.engine.compat.args import config_from_args
@@ -83,6 +84,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         self.sinks: list[StepSink] = list(training.sinks)  # called with each step's StepMetrics, in order
         self.flops = training.flops  # StepFlops (engine/profiling/step_flops.py) or None
         self.comm_policy = training.comm_policy  # gradient compression (engine/gradcomp/policy.py) or None
+        self.checkpointing = training.checkpointing  # each block's activation-checkpointing choice ([] = none)
         # block Hessian eigenvalues at accumulation boundaries (engine/eigenvalue.py), when configured
         self.eigenvalue = Eigenvalue.from_config(config.eigenvalue) if config.eigenvalue.enabled else None
         self.block_eigenvalue: dict[int, list[float]] | None = None
@@ -448,6 +450,7 @@ def initialize(
                              privacy=privacy)
     compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
     compat_zero.register_module(model)    # deepspeed.zero.GatheredParameters finds its shards' owners
+    compat_checkpointing.configure_from_engine_config(cfg)  # deepspeed.checkpointing from activation_checkpointing
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -35,6 +35,7 @@ class DeepSpeedConfig:
         self.fp16_enabled = bool(c.fp16.enabled)
         self.bfloat16_enabled = bool(c.bf16.enabled)
         self.zero_config = c.zero_optimization
+        self.activation_checkpointing_config = c.activation_checkpointing
         self.zero_optimization_stage = int(c.zero_optimization.stage)
         self.zero_enabled = self.zero_optimization_stage > 0
         self.optimizer_name = c.optimizer.type.lower() if c.optimizer is not None else None

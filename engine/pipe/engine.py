@@ -264,6 +264,10 @@ def _check_composition(cfg: Any, *, name: str) -> None:
     if stage == 3:
         raise ConfigError(["zero_optimization.stage: 3 with pipeline parallelism is not supported; use stage <= 2 "
                            "(stage 2 partitions gradients and optimizer state over each stage's replicas)"])
+    blocks_ac = cfg.deepfleet_activation_checkpointing
+    if blocks_ac.mode != "off" or blocks_ac.offload:
+        raise ConfigError(["deepfleet_activation_checkpointing: not supported with pipeline parallelism; use "
+                           "pipeline.activation_checkpoint_interval (the stages' layers are checkpointed there)"])
     if stage == 2 and name in SPLIT_BACKWARD:
         raise ConfigError([f"zero_optimization.stage: 2 with pipeline.schedule {name} is not supported (its weight "
                            "gradients bypass ZeRO-2's gradient hooks); use stage 1 or a schedule without split backward"])

@@ -60,10 +60,11 @@ BROKEN = [
         "zero_optimization.reduce_bucket_size: 'auto' needs the model's hidden size; pass hidden_size to "
         "load_config (deepfleet validate --hidden-size) or set a number",
     ]),
-    ("not-supported-yet", "c.json", {**BASE, "activation_checkpointing": {"partition_activations": True},
+    ("not-supported-yet", "c.json", {**BASE, "elasticity": {"enabled": True},
                                      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [], [
-        "activation_checkpointing: not supported yet; drop the section",
-        'zero_optimization.offload_param.device: nvme is not supported yet; use "cpu"',
+        'elasticity: not supported yet; drop the section or set "enabled": false',
+        "zero_optimization.offload_param.device: nvme is not supported yet (FSDP2 holds stage-3 parameter shards "
+        'between uses); use "cpu" or "none"',
     ]),
     ("fp16-and-bf16", "c.json", {**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, [], [
         "fp16.enabled: fp16 and bf16 are both enabled; enable only one of them",

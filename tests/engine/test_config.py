@@ -173,9 +173,9 @@ def test_not_supported_key_with_default_value_is_accepted_and_other_values_named
           "wandb": {"enabled": False}, "communication_data_type": None}
     load_config(ok)
     errors = _errors({"train_batch_size": 2, "zero_optimization": {"stage": 2, "load_from_fp32_weights": False},
-                      "activation_checkpointing": {"partition_activations": True}})
+                      "elasticity": {"enabled": True}})
     assert errors == [
-        "activation_checkpointing: not supported yet; drop the section",
+        'elasticity: not supported yet; drop the section or set "enabled": false',
         "zero_optimization.load_from_fp32_weights: not supported yet; drop it",
     ]
 

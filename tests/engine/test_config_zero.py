@@ -120,16 +120,6 @@ def test_opt_outs_matching_the_engine_are_accepted_and_other_values_named(key: s
     assert e.value.errors == [f"{key}: not supported yet; drop it"]
 
 
-def test_activation_checkpointing_section_with_every_option_off_is_accepted() -> None:
-    off = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
-           "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False}
-    load_config({**BASE, "activation_checkpointing": off})
-    load_config({**BASE, "activation_checkpointing": {**off, "number_checkpoints": False}})
-    for bad in ({**off, "partition_activations": True}, {**off, "number_checkpoints": 4}, {"unknown": False}):
-        with pytest.raises(ConfigError, match=r"^activation_checkpointing: not supported yet; drop the section"):
-            load_config({**BASE, "activation_checkpointing": bad})
-
-
 def test_offload_pin_memory_defaults_to_deepspeeds_true() -> None:
     cfg = load_config({**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                                      "offload_optimizer": {"device": "cpu"}}})
