@@ -1,4 +1,4 @@
-"""Step-time overhead of DP-SGD (`differential_privacy`, engine/privacy.py) against plain training on the
+"""Step-time overhead of DP-SGD (`deepfleet_differential_privacy`, engine/privacy.py) against plain training on the
 example GPT (examples/gpt, its default small size) on 2 gloo ranks, at ZeRO stages 0, 1 and 2.
 
 Both runs freeze the position embedding (DP-SGD needs a batch dimension on every trainable layer's input;
@@ -37,7 +37,7 @@ def _rank(rank: int, world_size: int, stage: int, private: bool, micro: int, ste
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     data = SyntheticTokens(num_samples=4096, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     if private:
-        config["differential_privacy"] = {"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
+        config["deepfleet_differential_privacy"] = {"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
                                           "delta": 1e-5, "dataset_size": len(data), "seed": 1}
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])

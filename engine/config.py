@@ -195,7 +195,7 @@ class DeepFleetConfig(ConfigSection):
     """DeepSpeed's options of the `deepspeed.checkpointing` API (engine/compat/checkpointing.py)."""
     deepfleet_activation_checkpointing: BlockCheckpointingConfig = Field(default_factory=BlockCheckpointingConfig)
     """deepfleet's own: checkpoint the model's blocks from the config (engine/activation_checkpointing.py)."""
-    differential_privacy: DifferentialPrivacyConfig = Field(default_factory=DifferentialPrivacyConfig)
+    deepfleet_differential_privacy: DifferentialPrivacyConfig = Field(default_factory=DifferentialPrivacyConfig)
     """DP-SGD: per-sample clipping, Gaussian noise and an (epsilon, delta) accountant (deepfleet's own
     section; engine/privacy.py)."""
 

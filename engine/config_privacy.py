@@ -1,4 +1,4 @@
-"""The `differential_privacy` section: DP-SGD training (engine/privacy.py).
+"""The `deepfleet_differential_privacy` section: DP-SGD training (engine/privacy.py).
 
 deepfleet's own section (DeepSpeed has no differential-privacy key). Torch-free.
 """

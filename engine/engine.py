@@ -275,7 +275,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
     def privacy_spent(self) -> tuple[float, float] | None:
-        """`(epsilon, delta)` spent so far under `differential_privacy`; None when it is disabled."""
+        """`(epsilon, delta)` spent so far under `deepfleet_differential_privacy`; None when it is disabled."""
         if self.privacy is None:
             return None
         return self.privacy.epsilon(), self.privacy.delta

@@ -91,7 +91,7 @@ class StepMetrics:
     comm_loss_delta: float | None = None
     """On guard steps: the relative change of the rank-averaged loss since the previous guard step."""
     dp_epsilon: float | None = None
-    """Epsilon spent so far under DP-SGD (`differential_privacy`, engine/privacy.py) at `dp_delta`; None
+    """Epsilon spent so far under DP-SGD (`deepfleet_differential_privacy`, engine/privacy.py) at `dp_delta`; None
     without it."""
     dp_delta: float | None = None
     """The delta of `dp_epsilon`."""

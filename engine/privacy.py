@@ -1,5 +1,5 @@
 """DP-SGD: per-sample gradient clipping, Gaussian noise and a privacy accountant (the
-`differential_privacy` config section, engine/config_privacy.py).
+`deepfleet_differential_privacy` config section, engine/config_privacy.py).
 
 Built by `initialize` when the section is enabled; the engine calls `after_backward()` after every
 micro-batch's backward and `finish()` on the accumulation boundary, before the strategy's
@@ -53,34 +53,34 @@ from deepfleet.engine import comm
 def build_privacy(
     config: Any, model: nn.Module, sharding: Any, *, group: Any, dp_size: int, dataset_size: int | None,
 ) -> DPSGD | None:
-    """The DP-SGD state for `config.differential_privacy`, or None when it is disabled.
+    """The DP-SGD state for `config.deepfleet_differential_privacy`, or None when it is disabled.
     Raises ValueError naming the key when the run cannot be private as configured."""
-    section = config.differential_privacy
+    section = config.deepfleet_differential_privacy
     if not section.enabled:
         return None
     stage = config.zero_optimization.stage
     if stage == 3:
         raise ValueError(
-            "differential_privacy.enabled: not supported at zero_optimization.stage 3 (FSDP2 reduces each "
+            "deepfleet_differential_privacy.enabled: not supported at zero_optimization.stage 3 (FSDP2 reduces each "
             "gradient before the per-sample norm over all parameters is known); use stage 0, 1 or 2"
         )
     if config.fp16.enabled:
-        raise ValueError("differential_privacy.enabled: not supported with fp16 (skipped overflow steps break "
+        raise ValueError("deepfleet_differential_privacy.enabled: not supported with fp16 (skipped overflow steps break "
                          "the accounting); use bf16 or fp32")
     if config.gradient_clipping:
-        raise ValueError("differential_privacy.enabled: gradient_clipping is set; per-sample clipping is "
-                         "differential_privacy.max_grad_norm, set gradient_clipping to 0")
+        raise ValueError("deepfleet_differential_privacy.enabled: gradient_clipping is set; per-sample clipping is "
+                         "deepfleet_differential_privacy.max_grad_norm, set gradient_clipping to 0")
     if getattr(getattr(config, "eigenvalue", None), "enabled", False):
-        raise ValueError("differential_privacy.enabled: not supported with eigenvalue (its Hessian-vector "
+        raise ValueError("deepfleet_differential_privacy.enabled: not supported with eigenvalue (its Hessian-vector "
                          "products would run through the per-sample hooks); disable one of them")
     sample_rate = section.sample_rate
     if sample_rate is None:
         n = section.dataset_size or dataset_size
         if n is None:
-            raise ValueError("differential_privacy.sample_rate: unset and no dataset size is known; set "
+            raise ValueError("deepfleet_differential_privacy.sample_rate: unset and no dataset size is known; set "
                              "sample_rate or dataset_size, or pass training_data to initialize")
         if config.train_batch_size > n:
-            raise ValueError(f"differential_privacy.dataset_size: {n} is smaller than train_batch_size "
+            raise ValueError(f"deepfleet_differential_privacy.dataset_size: {n} is smaller than train_batch_size "
                              f"{config.train_batch_size}; set the real dataset size")
         sample_rate = config.train_batch_size / n
     return DPSGD(model, sharding, section=section, sample_rate=sample_rate, batch_size=config.train_batch_size,
@@ -137,7 +137,7 @@ class DPSGD:
         try:
             self._grad_sample = GradSampleModule(model, batch_first=True, loss_reduction="mean")
         except NotImplementedError as e:
-            raise ValueError(f"differential_privacy.enabled: the model has a layer without per-sample "
+            raise ValueError(f"deepfleet_differential_privacy.enabled: the model has a layer without per-sample "
                              f"gradients ({e}); freeze it or replace it") from None
         self._names = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.params = list(self._names.values())
@@ -165,7 +165,7 @@ class DPSGD:
         for name, p in self._names.items():
             if p.grad_sample is not None and p.grad_sample.shape[0] != n:
                 raise ValueError(
-                    f"differential_privacy.enabled: parameter {name} got {p.grad_sample.shape[0]} per-sample "
+                    f"deepfleet_differential_privacy.enabled: parameter {name} got {p.grad_sample.shape[0]} per-sample "
                     f"gradients for a batch of {n} (its layer's input has no batch dimension, e.g. a position "
                     "embedding called on arange(seq)); freeze it or give its input the batch dimension")
         with torch.no_grad():

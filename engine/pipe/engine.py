@@ -268,6 +268,9 @@ def _check_composition(cfg: Any, *, name: str) -> None:
     if blocks_ac.mode != "off" or blocks_ac.offload:
         raise ConfigError(["deepfleet_activation_checkpointing: not supported with pipeline parallelism; use "
                            "pipeline.activation_checkpoint_interval (the stages' layers are checkpointed there)"])
+    if cfg.deepfleet_differential_privacy.enabled:
+        raise ConfigError(["deepfleet_differential_privacy.enabled: not supported with pipeline parallelism (each "
+                           "stage sees only its own layers' per-sample gradients); train without a PipelineModule"])
     if stage == 2 and name in SPLIT_BACKWARD:
         raise ConfigError([f"zero_optimization.stage: 2 with pipeline.schedule {name} is not supported (its weight "
                            "gradients bypass ZeRO-2's gradient hooks); use stage 1 or a schedule without split backward"])

@@ -55,7 +55,7 @@ def dp_config(stage: int, world_size: int) -> dict:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GLOBAL // (MICRO * world_size),
         "zero_optimization": {"stage": stage},
-        "differential_privacy": {"enabled": True, "noise_multiplier": SIGMA, "max_grad_norm": CLIP,
+        "deepfleet_differential_privacy": {"enabled": True, "noise_multiplier": SIGMA, "max_grad_norm": CLIP,
                                  "delta": 1e-5, "sample_rate": 0.01, "seed": SEED},
     }
 

@@ -112,28 +112,28 @@ def test_two_ranks_match_single_process_dp_sgd_at_zero_0_1_2(tmp_path) -> None:
 
 
 def _cfg(dp: dict, **extra: object):
-    return load_config({"train_batch_size": 4, "differential_privacy": dp, **extra})
+    return load_config({"train_batch_size": 4, "deepfleet_differential_privacy": dp, **extra})
 
 
 def test_config_errors_name_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"differential_privacy\.noise_multiplier: unset"):
+    with pytest.raises(ConfigError, match=r"deepfleet_differential_privacy\.noise_multiplier: unset"):
         _cfg({"enabled": True})
-    with pytest.raises(ConfigError, match=r"differential_privacy\.noise_mult: unknown key; did you mean "
-                                          r"differential_privacy\.noise_multiplier"):
+    with pytest.raises(ConfigError, match=r"deepfleet_differential_privacy\.noise_mult: unknown key; did you mean "
+                                          r"deepfleet_differential_privacy\.noise_multiplier"):
         _cfg({"enabled": True, "noise_mult": 1.0})
-    with pytest.raises(ConfigError, match=r"differential_privacy\.epochs: unset"):
+    with pytest.raises(ConfigError, match=r"deepfleet_differential_privacy\.epochs: unset"):
         _cfg({"enabled": True, "target_epsilon": 3.0})
-    with pytest.raises(ConfigError, match=r"differential_privacy\.accountant: 'gdp' is not allowed"):
+    with pytest.raises(ConfigError, match=r"deepfleet_differential_privacy\.accountant: 'gdp' is not allowed"):
         _cfg({"enabled": True, "noise_multiplier": 1.0, "accountant": "gdp"})
-    with pytest.raises(ConfigError, match=r"differential_privacy\.max_grad_norm: must be > 0"):
+    with pytest.raises(ConfigError, match=r"deepfleet_differential_privacy\.max_grad_norm: must be > 0"):
         _cfg({"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 0})
     on = {"enabled": True, "noise_multiplier": 1.0, "sample_rate": 0.1}
     for extra, message in [({"zero_optimization": {"stage": 3}}, "not supported at zero_optimization.stage 3"),
                            ({"fp16": {"enabled": True}}, "not supported with fp16"),
                            ({"gradient_clipping": 1.0}, "gradient_clipping is set")]:
-        with pytest.raises(ValueError, match=rf"differential_privacy\.enabled: {message}"):
+        with pytest.raises(ValueError, match=rf"deepfleet_differential_privacy\.enabled: {message}"):
             build_privacy(_cfg(on, **extra), make_model(), object(), group=None, dp_size=1, dataset_size=None)
-    with pytest.raises(ValueError, match=r"differential_privacy\.sample_rate: unset and no dataset size"):
+    with pytest.raises(ValueError, match=r"deepfleet_differential_privacy\.sample_rate: unset and no dataset size"):
         build_privacy(_cfg({"enabled": True, "noise_multiplier": 1.0}), make_model(), object(), group=None,
                       dp_size=1, dataset_size=None)
     assert build_privacy(_cfg({}), make_model(), object(), group=None, dp_size=1, dataset_size=None) is None
