@@ -198,6 +198,7 @@ ALLOWED_RBAC = {
     ("", "secrets"): {"create", "get", "delete"},  # the worker token of each run; never list or watch
     ("", "events"): {"get", "list", "watch"},
     ("coordination.k8s.io", "leases"): {"create", "get", "update"},
+    ("networking.k8s.io", "networkpolicies"): {"create"},  # each run's peers-only policy; the Job owns it
 }
 
 

@@ -45,9 +45,11 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
-ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>batch)/v1)/namespaces/(?P<ns>[^/]+)"
-                   r"/(?P<kind>pods|services|secrets|jobs)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|status))?$")
-KINDS = {"pods": ("v1", "Pod"), "services": ("v1", "Service"), "secrets": ("v1", "Secret"), "jobs": ("batch/v1", "Job")}
+ROUTE = re.compile(r"^/(?:api/v1|apis/(?P<group>batch|networking\.k8s\.io)/v1)/namespaces/(?P<ns>[^/]+)"
+                   r"/(?P<kind>pods|services|secrets|jobs|networkpolicies)(?:/(?P<name>[^/]+))?(?:/(?P<sub>log|status))?$")
+KINDS = {"pods": ("v1", "Pod"), "services": ("v1", "Service"), "secrets": ("v1", "Secret"), "jobs": ("batch/v1", "Job"),
+         "networkpolicies": ("networking.k8s.io/v1", "NetworkPolicy")}
+GROUP_OF = {"jobs": "batch", "networkpolicies": "networking.k8s.io"}
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 
 
@@ -329,7 +331,7 @@ class FakeKubeAPI:
         if m is None:
             return self._send(h, 404, _status(404, "NotFound", f"the server could not find {url.path}"))
         kind, ns, name, sub = m.group("kind"), m.group("ns"), m.group("name"), m.group("sub")
-        if (m.group("group") == "batch") != (kind == "jobs"):
+        if m.group("group") != GROUP_OF.get(kind):
             return self._send(h, 404, _status(404, "NotFound", f"no {kind} in this API group"))
         if ns not in self.namespaces:
             return self._send(h, 404, _status(404, "NotFound", f'namespaces "{ns}" not found'))

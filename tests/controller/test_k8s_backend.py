@@ -60,7 +60,10 @@ def test_submit_creates_an_indexed_job_and_an_owned_headless_service(fake, backe
     assert svc["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     posted = [r.path for r in fake.requests if r.method == "POST"]
     assert posted == [f"/apis/batch/v1/namespaces/{NS}/jobs", f"/api/v1/namespaces/{NS}/secrets",
-                      f"/api/v1/namespaces/{NS}/services"]
+                      f"/api/v1/namespaces/{NS}/services", f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"]
+    peers = fake.get("networkpolicies", NS, f"{sub.name}-peers")
+    assert peers["spec"]["podSelector"] == {"matchLabels": {names.RUN: sub.name}}
+    assert peers["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     assert fake.requests[0].headers["authorization"] == "Bearer fake-token"
     started = pods(fake, sub.name)
     assert [p["spec"]["hostname"] for p in started] == [f"{sub.name}-0", f"{sub.name}-1"]

@@ -85,6 +85,7 @@ class KubernetesBackend:
         self.watch_timeout_s = watch_timeout_s
         self.core = client.CoreV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self._namespaces: dict[str, str] = {}  # run name -> namespace, for runs outside `namespace`
         self._watchers: dict[str, PodWatcher] = {}
         self._lock = threading.Lock()
@@ -144,6 +145,9 @@ class KubernetesBackend:
                    ok=(409,))
         svc = manifests.service(sub, namespace=ns, job_uid=created.metadata.uid)
         self._call(f"create Service {ns}/{sub.name}", self.core.create_namespaced_service, ns, svc, ok=(409,))
+        peers = manifests.network_policy(sub, namespace=ns, job_uid=created.metadata.uid)
+        self._call(f"create NetworkPolicy {ns}/{peers['metadata']['name']}",
+                   self.networking.create_namespaced_network_policy, ns, peers, ok=(409,))
         self.watcher(ns)
 
     def observe(self, name: str) -> Observation:

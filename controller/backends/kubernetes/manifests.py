@@ -243,6 +243,22 @@ def secret(sub: Submission, *, namespace: str, job_uid: str | None) -> dict[str,
     }
 
 
+def network_policy(sub: Submission, *, namespace: str, job_uid: str | None) -> dict[str, Any]:
+    """The NetworkPolicy `<name>-peers`: the run's pods accept ingress (the rendezvous port and the
+    collectives' ephemeral ports alike, hence every port) only from pods of the same run in the same
+    namespace. Egress stays open (heartbeats to the controller, data, registries). `job_uid` as for
+    `service`."""
+    name = f"{sub.name}-peers"
+    names.check_dns_label(name, where="network policy name")
+    peers = {"matchLabels": {names.RUN: sub.name}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _owned_metadata(sub, name=name, namespace=namespace, job_uid=job_uid),
+        "spec": {"podSelector": peers, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": peers}]}]},
+    }
+
+
 def render(sub: Submission, *, namespace: str, job_uid: str | None = None) -> list[dict[str, Any]]:
     """[Job, Secret, Service] of one attempt, in the order `submit` creates them."""
     ns = namespace_of(sub, default=namespace)
