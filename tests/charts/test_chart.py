@@ -236,3 +236,29 @@ def test_tls_serves_the_secrets_certificate_and_validates() -> None:
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     proc = helm("template", "df", str(CHART), "--set", "tls.enabled=true")
     assert proc.returncode != 0 and "tls.secretName: tls.enabled needs" in proc.stderr
+
+
+def test_the_api_network_policy_admits_the_workers_and_the_listed_peers() -> None:
+    from tests.controller.test_k8s_network_policy import selects
+
+    docs = render_defaults("--set", "networkPolicy.enabled=true", "--set", "jobNamespace=training",
+                           "--set-json", 'networkPolicy.apiFrom=[{"namespaceSelector": {"matchLabels": '
+                                         '{"kubernetes.io/metadata.name": "ingress-nginx"}}}]')
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+    (policy,) = by_kind(docs, "NetworkPolicy")
+    (deploy,) = by_kind(docs, "Deployment")
+    assert selects(policy["spec"]["podSelector"], deploy["spec"]["template"]["metadata"]["labels"])
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8080, "protocol": "TCP"}]
+
+    def allowed(namespace: str, labels: dict[str, str]) -> bool:
+        ns_labels = {"kubernetes.io/metadata.name": namespace}
+        return any(selects(peer.get("namespaceSelector", {}), ns_labels) if "namespaceSelector" in peer
+                   and selects(peer.get("podSelector", {}), labels) else False for peer in rule["from"])
+
+    worker = {"app.kubernetes.io/name": "deepfleet-worker"}
+    assert allowed("training", worker)
+    assert not allowed("other", worker) and not allowed("training", {"app": "x"})
+    assert allowed("ingress-nginx", {"app": "controller"})
+    assert not by_kind(render_defaults(), "NetworkPolicy")
