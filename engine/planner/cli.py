@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from deepfleet.engine.planner.estimate import GIB, Plan
@@ -69,21 +70,28 @@ def render(plan: Plan) -> None:
     Console(width=200).print(table)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def one_line_errors(call: Callable[[], Any]) -> Any:
+    """`call()`, or None after printing its bad-input error (a config's lines, or one line) to stderr."""
     from deepfleet.engine.config import ConfigError
-    from deepfleet.engine.planner.estimate import plan
 
     try:
-        result = plan(args.config, args.model, world_size=args.world_size, budget_gib=args.budget_gib,
-                      micro_batch=args.micro_batch, factory_kwargs=_kwargs(args.model_arg),
-                      probe_device=args.probe_device)
+        return call()
     except ConfigError as e:
         for line in e.errors:
             print(line, file=sys.stderr)
-        return 2
     except ValueError as e:
         print(str(e), file=sys.stderr)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from deepfleet.engine.planner.estimate import plan
+
+    result = one_line_errors(lambda: plan(
+        args.config, args.model, world_size=args.world_size, budget_gib=args.budget_gib,
+        micro_batch=args.micro_batch, factory_kwargs=_kwargs(args.model_arg), probe_device=args.probe_device))
+    if result is None:
         return 2
     if args.json:
         print(json.dumps(result.to_dict()))

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from deepfleet.engine.planner.cli import _kwargs
+from deepfleet.engine.planner.cli import _kwargs, one_line_errors
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,18 +31,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from deepfleet.engine.config import ConfigError
     from deepfleet.engine.planner.tune import tune
 
-    try:
-        result = tune(args.config, args.model, world_size=args.world_size, budget_gib=args.budget_gib,
-                      factory_kwargs=_kwargs(args.model_arg))
-    except ConfigError as e:
-        for line in e.errors:
-            print(line, file=sys.stderr)
-        return 2
-    except ValueError as e:
-        print(str(e), file=sys.stderr)
+    result = one_line_errors(lambda: tune(args.config, args.model, world_size=args.world_size,
+                                          budget_gib=args.budget_gib, factory_kwargs=_kwargs(args.model_arg)))
+    if result is None:
         return 2
     if args.json:
         print(json.dumps(result.summary()))

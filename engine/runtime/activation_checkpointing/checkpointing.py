@@ -1,15 +1,5 @@
-"""`deepspeed.runtime.activation_checkpointing.checkpointing`'s path under deepfleet (the code lives in
+"""`deepspeed.runtime.activation_checkpointing.checkpointing`'s path under deepfleet: the same names as
+`deepspeed.checkpointing` (`deepfleet.engine.checkpointing`; the code lives in
 `deepfleet.engine.compat.checkpointing`)."""
 
-from deepfleet.engine.compat.checkpointing import (  # noqa: F401 - re-exported at DeepSpeed's path
-    CudaRNGStatesTracker,
-    checkpoint,
-    configure,
-    get_cuda_rng_tracker,
-    is_configured,
-    model_parallel_cuda_manual_seed,
-    non_reentrant_checkpoint,
-    partition_activations_in_checkpoint,
-    reset,
-    set_num_layers,
-)
+from deepfleet.engine.checkpointing import *  # noqa: F403 - DeepSpeed serves one module at both paths
