@@ -25,6 +25,14 @@ C10D_NAME = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_default_group():
+    """These tests start from no default process group in this process (whatever ran before here)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+
+
 def _every_op(rank: int, world: int) -> dict:
     """Run each op once on distinct data; return results, our counters and CommDebugMode's."""
     from torch.distributed.tensor.debug import CommDebugMode
