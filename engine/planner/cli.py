@@ -30,14 +30,19 @@ def _kwargs(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="deepfleet plan", description=__doc__.splitlines()[0])
+def add_common_options(ap: argparse.ArgumentParser, *, world_size_help: str) -> None:
+    """The options `deepfleet plan` and `deepfleet tune` share: config, model factory, ranks, budget."""
     ap.add_argument("config", help="DeepSpeed-style engine config: a .json/.yaml path or a JSON string")
     ap.add_argument("--model", required=True, help="model factory, 'package.module:function'")
     ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="keyword argument for the factory (VALUE is JSON or text); repeatable")
-    ap.add_argument("--world-size", type=int, default=1, help="data-parallel ranks")
+    ap.add_argument("--world-size", type=int, default=1, help=world_size_help)
     ap.add_argument("--budget-gib", type=float, default=None, help="per-rank memory budget (GiB)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="deepfleet plan", description=__doc__.splitlines()[0])
+    add_common_options(ap, world_size_help="data-parallel ranks")
     ap.add_argument("--micro-batch", type=int, default=None, help="default: train_micro_batch_size_per_gpu")
     ap.add_argument("--probe-device", choices=["cpu", "meta"], default="cpu",
                     help="where the activation probe runs (meta: nothing allocated, slightly less exact)")

@@ -14,17 +14,12 @@ import argparse
 import json
 import sys
 
-from deepfleet.engine.planner.cli import _kwargs, one_line_errors
+from deepfleet.engine.planner.cli import _kwargs, add_common_options, one_line_errors
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="deepfleet tune", description=__doc__.splitlines()[0])
-    ap.add_argument("config", help="DeepSpeed-style engine config: a .json/.yaml path or a JSON string")
-    ap.add_argument("--model", required=True, help="model factory, 'package.module:function'")
-    ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="keyword argument for the factory (VALUE is JSON or text); repeatable")
-    ap.add_argument("--world-size", type=int, default=1, help="ranks per trial")
-    ap.add_argument("--budget-gib", type=float, default=None, help="per-rank memory budget (GiB)")
+    add_common_options(ap, world_size_help="ranks per trial")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     return ap
 
