@@ -21,6 +21,7 @@ from deepfleet.worker.spec import (
     JOB_ID_ENV,
     SPEC_ENV,
     TOKEN_ENV,
+    ModelExport,
     Nodes,
     WorkerSpec,
 )
@@ -47,6 +48,7 @@ def worker_spec(spec: JobSpec, *, job_id: str, attempt: int) -> WorkerSpec:
         checkpoint=s.checkpoint,
         restart=s.restart_policy,
         max_steps=s.max_steps,
+        export=ModelExport(dtype=s.register_model.dtype) if s.register_model is not None else None,
         env=plain_env(spec),  # secret references are resolved by the backend, never put in the spec
     )
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 GENESIS = "0" * 64
-KINDS = ("submit", "attempt", "runtime", "dataset", "checkpoint")
+KINDS = ("submit", "attempt", "runtime", "dataset", "checkpoint", "registration")
 
 
 def canonical_json(value: Any) -> str:

@@ -17,6 +17,7 @@ One pass:
    mechanism on SQLite (one writer at a time makes the CAS atomic). A claim is renewed each pass and
    expires after `lease_seconds`, so a dead replica's jobs move to a live one.
 3. **Act** on each claimed job: observe its current run, `lifecycle.decide()`, perform the action.
+4. **Register** the models of jobs that succeeded and asked for it (`controller.registration`).
 
 Crash safety: before `Backend.submit` the attempt row (run name = the submit intent) is committed;
 after a crash the next owner observes first. A run that exists is adopted (the backend's submit is
@@ -36,7 +37,7 @@ from sqlalchemy import bindparam, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from deepfleet.controller import lifecycle, scheduler
+from deepfleet.controller import lifecycle, registration, scheduler
 from deepfleet.controller import provenance as prov
 from deepfleet.controller.backends.base import Backend, BackendError, Observation, RunPhase
 from deepfleet.controller.compile import compile_submission
@@ -45,6 +46,7 @@ from deepfleet.controller.db import provenance as chain
 from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
 from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
+from deepfleet.controller.registry import ModelRegistry
 from deepfleet.controller.spec import stored_spec
 from deepfleet.worker.spec import FailureClass, RestartPolicy
 
@@ -81,12 +83,16 @@ class Reconciler:
     """Drives every job toward its desired state on one backend."""
 
     def __init__(self, sessions: sessionmaker[Session], *, backend: Backend, config: ReconcilerConfig,
-                 outage: Outage | None = None) -> None:
-        """`outage`: where an unreachable database is reported (the API's, so a controller logs it once)."""
+                 outage: Outage | None = None, registry: ModelRegistry | None = None) -> None:
+        """`outage`: where an unreachable database is reported (the API's, so a controller logs it once);
+        `registry`: where succeeded jobs' models go when their spec asks (`spec.registerModel`)."""
         self.sessions = sessions
         self.backend = backend
         self.config = config
         self.outage = outage or Outage()
+        self.registrar = registration.Registrar(sessions, backend=backend, registry=registry,
+                                                replica_id=config.replica_id, controller_url=config.controller_url,
+                                                lease_seconds=config.lease_seconds)
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop: threading.Event, *, interval_s: float = 2.0, clock: Callable[[], datetime] = utcnow) -> None:
@@ -114,6 +120,7 @@ class Reconciler:
                 if is_connection_error(e):
                     raise  # the database, not the job: the loop reports the outage once
                 log.exception("job %s: reconcile failed", job_id)
+        self.registrar.run_once(now)
 
     # ------------------------------------------------------------------ leases and claims
     def _hold_lease(self, name: str, now: datetime) -> bool:
@@ -358,6 +365,8 @@ class Reconciler:
         job.message = message
         if phase.is_terminal():
             job.finished_at = now
+        if phase is Phase.SUCCEEDED:
+            registration.queue(job)  # registered after this commit, by the registrar (never inside it)
         _event(s, job, reason, message, now, actor=self.config.replica_id, data=data)
 
 

@@ -3,7 +3,7 @@
 Run by `deepfleet server` (which execs `python -m deepfleet.controller.server` so the CLI itself never
 imports the API, the database or a backend), by the demo and by end-to-end tests. This is the
 composition root: settings -> the backends -> `create_app` (with a log reader over those backends)
--> the web router -> one backend and one `Reconciler`
+-> the web router -> one backend, its model registry and one `Reconciler`
 thread per enabled backend (`DEEPFLEET_BACKENDS`: local, kubernetes, azureml), started after the app's
 start-up (migrations, bootstrap token) and stopped before its shutdown -> uvicorn on host:port.
 
@@ -35,6 +35,7 @@ from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.controller.confine import closed_ancestor
 from deepfleet.controller.db import secrets as secret_store
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
+from deepfleet.controller.registry import MlflowRegistry, ModelRegistry
 from deepfleet.controller.scheduler import UNLIMITED, Limit
 from deepfleet.controller.settings import Settings, SettingsError
 from deepfleet.controller.tokens import mint_api_token
@@ -82,6 +83,18 @@ def backends(settings: Settings, *, slots: int, workdir: Path | None = None,
     return out
 
 
+def registry_for(backend: Backend, settings: Settings) -> ModelRegistry | None:
+    """Where the models of `backend`'s succeeded jobs are registered: the backend's own registry when it has
+    one (Azure ML: the workspace's model assets), MLflow for local jobs, none elsewhere."""
+    own = getattr(backend, "model_registry", None)
+    if own is not None:
+        return own()
+    if isinstance(backend, LocalBackend):
+        return MlflowRegistry(tracking_uri=settings.mlflow_tracking_uri, store_dir=settings.mlflow_store_dir,
+                              scratch_dir=settings.data_dir / "registry-scratch")
+    return None
+
+
 def backend_log_reader(by_name: Mapping[str, Backend]) -> LogReader:
     """The API's log seam over the reconcilers' backend objects: `Backend.logs()` of the run's backend,
     with `BackendError` turned into the API's `LogUnavailable` (the API never sees a backend type)."""
@@ -118,7 +131,7 @@ def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker
             replica_id=settings.replica_id, controller_url=settings.controller_url,
             secret=settings.secret.get_secret_value(), backend_name=backend.name, capacity=capacity,
             lease_seconds=settings.lease_seconds, heartbeat_interval_s=heartbeat_interval_s,
-        ), outage=app.state.outage)
+        ), outage=app.state.outage, registry=registry_for(backend, settings))
         for backend, capacity in enabled
     ]
     inner = app.router.lifespan_context

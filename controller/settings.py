@@ -99,6 +99,9 @@ class Settings(BaseModel):
     factory_modules: list[str] = []
     """Module prefixes an `entrypoint.factory` may name besides the job's own code (comma-separated,
     admin-set); the standard library and deepfleet's own packages are refused otherwise."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking (and registry) URI where local jobs' models are registered (`spec.registerModel`;
+    env also MLFLOW_TRACKING_URI); None: a local store under <data_dir>/mlflow."""
 
     @field_validator("backends")
     @classmethod
@@ -139,6 +142,11 @@ class Settings(BaseModel):
         return pairs
 
     @property
+    def mlflow_store_dir(self) -> Path:
+        """The local MLflow store (used when `mlflow_tracking_uri` is None)."""
+        return self.data_dir / "mlflow"
+
+    @property
     def logs_root(self) -> Path:
         """The effective logs directory."""
         return self.logs_dir or self.data_dir / "logs"
@@ -162,6 +170,8 @@ class Settings(BaseModel):
                 values[name] = env[ENV_PREFIX + alias].split(",") if name in _LISTS else env[ENV_PREFIX + alias]
         if "database_url" not in values and env.get("DATABASE_URL"):
             values["database_url"] = env["DATABASE_URL"]
+        if "mlflow_tracking_uri" not in values and env.get("MLFLOW_TRACKING_URI"):
+            values["mlflow_tracking_uri"] = env["MLFLOW_TRACKING_URI"]
         if "data_dir" not in values:
             values["data_dir"] = default_data_dir(env)
         values.update({k: v for k, v in overrides.items() if v is not None})

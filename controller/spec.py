@@ -35,6 +35,7 @@ from deepfleet.worker.spec import (
     MISSING_STEPS,
     Checkpoint,
     Entrypoint,
+    ExportDtype,
     FactoryEntrypoint,
     Nodes,
     RestartPolicy,
@@ -185,6 +186,23 @@ class SecretRef(_Section):
 
 
 SECRET_KEY_DEFAULT = "value"
+# Worker variables a job may set in `env` although they carry deepfleet's prefix (they configure the
+# worker's side of a contract rather than take it over).
+USER_SETTABLE_ENV = frozenset({"DEEPFLEET_CA_BUNDLE"})
+
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class ModelRegistration(_Section):
+    """Register the job's model when the job succeeds: node 0 exports the newest complete checkpoint's
+    weights to safetensors, and the controller registers that file with the job's provenance: in MLflow's
+    model registry (backend local; the controller's tracking URI, a local store by default) or as a model
+    asset of the workspace (backend azureml). The entry's tags and description name the job and its URL."""
+
+    name: Annotated[str, Field(min_length=1, max_length=255, pattern=MODEL_NAME)]
+    """Registered model name; each successful job adds the next version."""
+    dtype: ExportDtype = "fp32"
+    """dtype of the exported floating-point tensors (fp32, bf16 or fp16)."""
 
 
 def _env_kind(value: Any) -> str:
@@ -239,6 +257,8 @@ class TrainingSpec(_Section):
     """Options for backend kubernetes only."""
     azureml: AzureMLOptions | None = None
     """Options for backend azureml only (required there: the compute cluster)."""
+    register_model: ModelRegistration | None = None
+    """Register the exported model when the job succeeds (needs `checkpoint`); null: no registration."""
 
     @field_validator("env")
     @classmethod
@@ -246,7 +266,7 @@ class TrainingSpec(_Section):
         for name in env:
             if not ENV_NAME.match(name):
                 raise ValueError(f"{name!r} is not a valid environment variable name; use letters, digits and '_'")
-            if name.startswith(RESERVED_ENV_PREFIX):
+            if name.startswith(RESERVED_ENV_PREFIX) and name not in USER_SETTABLE_ENV:
                 raise ValueError(f"{name} is set by deepfleet for every worker; drop it or rename it")
         return env
 
@@ -271,6 +291,13 @@ class TrainingSpec(_Section):
                                 "drop key")
         if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
             problems.append(MISSING_STEPS.format(key="maxSteps").replace("set maxSteps", "set spec.maxSteps"))
+        if self.register_model is not None and self.checkpoint is None:
+            problems.append("registerModel: the model is exported from the newest complete checkpoint; set "
+                            "checkpoint: {dir: ...} or drop registerModel")
+        if self.register_model is not None and self.backend == "kubernetes":
+            problems.append("registerModel: not supported on backend kubernetes yet (the controller cannot read "
+                            "the pods' checkpoint volume); export with `deepfleet checkpoint export` and run "
+                            "`deepfleet register`, or drop registerModel")
         if self.backend == "azureml" and self.azureml is None:
             problems.append("azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
         if problems:

@@ -43,6 +43,8 @@ EXAMPLES: dict[str, Any] = {
     "spec.kubernetes.nodeSelector": {"pool": "gpu"},
     "spec.kubernetes.shmSize": "8Gi",
     "spec.kubernetes.checkpointClaim": "checkpoints",
+    "spec.registerModel": {"name": "gpt-small", "dtype": "bf16"},
+    "spec.registerModel.name": "gpt-small",
     "spec.azureml.compute": "gpu-cluster",
 }
 

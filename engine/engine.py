@@ -226,7 +226,8 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         if self.flops is not None:
             metrics = dataclasses.replace(metrics, **self.flops.figures(metrics))
         if self.privacy is not None:
-            metrics = dataclasses.replace(metrics, dp_epsilon=self.privacy.epsilon(), dp_delta=self.privacy.delta)
+            metrics = dataclasses.replace(metrics, dp_epsilon=self.privacy.epsilon(), dp_delta=self.privacy.delta,
+                                          dp_accountant=self.privacy.accountant_kind)
         if self._eigenvalue_fresh:  # estimated in this window
             metrics = dataclasses.replace(metrics, block_eigenvalues=tuple(self.eigenvalue.last_raw))
             self._eigenvalue_fresh = False

@@ -95,6 +95,8 @@ class StepMetrics:
     without it."""
     dp_delta: float | None = None
     """The delta of `dp_epsilon`."""
+    dp_accountant: str | None = None
+    """The privacy accountant that computed `dp_epsilon` ("rdp" or "prv")."""
 
 
 @runtime_checkable

@@ -10,6 +10,8 @@ and the exit-code mapping, which torchrun does not have (it exits 1 for any fail
 
 Node 0 hosts the c10d rendezvous store, so the group survives the loss of any node but that one
 (then the attempt fails with COMM_FAILURE and the controller starts a new one).
+When the attempt succeeds and the spec asks for an export, node 0's worker then writes the model of
+the newest complete checkpoint to safetensors (worker/export.py) before it exits.
 
 Always sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch's default (workers reuse the agent's
 rendezvous TCPStore) a restarted group fails or hangs in init_process_group on this torch version
@@ -261,6 +263,10 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
           f"({rdzv.platform}), rendezvous {rdzv.endpoint} run {rdzv.run_id}", file=sys.stderr, flush=True)
     try:
         elastic_launch(launch_config(spec, rdzv), sys.executable)("-u", "-m", "deepfleet.worker.agent")
+        if spec.export is not None and rdzv.node_rank == 0:
+            from deepfleet.worker.export import export_model
+
+            export_model(spec)  # a failed export is in its manifest; training's result stands
         return int(ExitCode.SUCCEEDED)
     except ChildFailedError as e:
         code = exit_code_for_failures(f.exitcode for f in e.failures.values())

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--spec", help="WorkerSpec as JSON text or a .json/.yaml path (default: $DEEPFLEET_WORKER_SPEC)")
     p.add_argument("--check", action="store_true", help="validate the spec and the node environment, then exit")
+    p.add_argument("--export-dir", help="where node 0 writes the exported model when the spec asks for one "
+                   "(default <checkpoint.dir>/export; Azure ML passes the job's model output)")
     return p
 
 
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in e.errors:
             print(f"deepfleet-worker: invalid spec: {line}", file=sys.stderr)
         return int(ExitCode.INVALID_SPEC)
+    if args.export_dir and spec.export is not None:
+        spec = spec.model_copy(update={"export": spec.export.model_copy(update={"dir": args.export_dir})})
     if args.check:
         from deepfleet.worker.rendezvous import RendezvousEnvError, resolve
 

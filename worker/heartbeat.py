@@ -199,7 +199,7 @@ class HeartbeatSink:
             rate = self._tokens / self._elapsed if self._tokens is not None and self._elapsed > 0 else None
             values.update(step=m.step, loss=m.loss, lr=m.lr, grad_norm=_finite(m.grad_norm), tokens_per_s=rate,
                           mfu=_finite(m.mfu), checkpoint_s=self.checkpoint_s, dp_epsilon=_finite(m.dp_epsilon),
-                          dp_delta=m.dp_delta)
+                          dp_delta=m.dp_delta, dp_accountant=m.dp_accountant)
         values.update(fields)
         return Heartbeat(**values)
 

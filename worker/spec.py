@@ -364,6 +364,38 @@ class PreemptionSpec(_Model):
     grace_period_s: float = Field(30.0, gt=0, description="Seconds between the notice and a forced stop.")
 
 
+# Where node 0 writes a succeeded job's exported model: `<dir>/model.safetensors` beside `export.json`
+# (an ExportManifest), with <dir> = `<checkpoint.dir>/export` unless `ModelExport.dir` names another.
+EXPORT_SUBDIR = "export"
+EXPORT_MODEL_FILE = "model.safetensors"
+EXPORT_MANIFEST = "export.json"
+ExportDtype = Literal["fp32", "bf16", "fp16"]
+
+
+class ModelExport(_Model):
+    """When training succeeds, node 0 exports the model weights of the newest complete checkpoint to one
+    safetensors file (worker/export.py), for the controller to register (`spec.registerModel`)."""
+
+    dtype: ExportDtype = Field("fp32", description="dtype of the exported floating-point tensors.")
+    dir: str | None = Field(None, description="Folder to write into; None: <checkpoint.dir>/export. "
+                            "`deepfleet-worker --export-dir` sets it (Azure ML: the job's model output).")
+
+
+class ExportManifest(_Model):
+    """`export.json`: what node 0 exported, or why it could not (then only `error` and the ids are set)."""
+
+    job_id: str
+    attempt: int = Field(ge=0)
+    file: str | None = Field(None, description="The model file's name inside the export folder.")
+    checkpoint: str | None = Field(None, description="Tag of the checkpoint the weights come from.")
+    global_steps: int | None = Field(None, ge=0)
+    dtype: ExportDtype | None = None
+    tensors: int | None = Field(None, ge=0)
+    bytes: int | None = Field(None, ge=0)
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="sha256 of the whole file (hex).")
+    error: str | None = Field(None, max_length=4000, description="Why nothing was exported.")
+
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -397,6 +429,8 @@ class WorkerSpec(_Model):
     """Optimizer steps to train: the managed loop's length, a script's budget (DEEPFLEET_MAX_STEPS)."""
     log_every_steps: Annotated[int, Field(ge=1)] = 10
     """Managed loop: print a progress line every N steps."""
+    export: ModelExport | None = None
+    """Export the model when training succeeds (needs `checkpoint`); null: no export."""
     env: dict[str, str] = {}
     """Extra environment for training processes."""
 
@@ -413,6 +447,20 @@ class WorkerSpec(_Model):
         if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
             raise ValueError(MISSING_STEPS.format(key="max_steps"))
         return self
+
+    @model_validator(mode="after")
+    def _export_needs_checkpoints(self) -> WorkerSpec:
+        if self.export is not None and self.checkpoint is None:
+            raise ValueError("export: the model is exported from the newest complete checkpoint; set checkpoint "
+                             "or drop export")
+        return self
+
+    @property
+    def export_dir(self) -> Path | None:
+        """Where node 0 writes the exported model (None: no export)."""
+        if self.export is None or self.checkpoint is None:
+            return None
+        return Path(self.export.dir) if self.export.dir else Path(self.checkpoint.dir) / EXPORT_SUBDIR
 
     @property
     def run_id(self) -> str:
@@ -444,6 +492,7 @@ class Heartbeat(_Model):
     checkpoint_s: float | None = Field(None, ge=0, description="Seconds this attempt has spent saving checkpoints.")
     dp_epsilon: float | None = Field(None, ge=0, description="Epsilon spent so far under DP-SGD (at dp_delta).")
     dp_delta: float | None = Field(None, gt=0, lt=1, description="The delta of dp_epsilon.")
+    dp_accountant: Literal["rdp", "prv"] | None = Field(None, description="The accountant of dp_epsilon.")
     torch_version: str | None = Field(None, max_length=64, description="torch.__version__ in the training process.")
     datasets: list[DatasetFingerprint] = Field(
         [], max_length=64, description="Data sources the training code reported (engine.record_dataset).")

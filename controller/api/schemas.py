@@ -87,6 +87,56 @@ def _summary_fields(job: Job, *, with_documents: bool = True) -> dict[str, Any]:
                     "max_steps": (job.spec or {}).get("spec", {}).get("maxSteps")} if with_documents else {}))
 
 
+class PrivacyOut(_Out):
+    """What a differentially private job (`deepfleet_differential_privacy`) has spent, from its newest
+    heartbeat: the (epsilon, delta) guarantee of the model trained so far."""
+
+    epsilon: float
+    """Epsilon spent so far, at `delta`."""
+    delta: float
+    accountant: str | None
+    """The privacy accountant that computed it (rdp: Renyi DP, prv: privacy random variables)."""
+    step: int
+    """The optimizer step it was computed at."""
+
+    @classmethod
+    def of(cls, heartbeat: dict[str, Any] | None) -> PrivacyOut | None:
+        beat = heartbeat or {}
+        if beat.get("dp_epsilon") is None or beat.get("dp_delta") is None:
+            return None
+        return cls(epsilon=beat["dp_epsilon"], delta=beat["dp_delta"], accountant=beat.get("dp_accountant"),
+                   step=beat.get("step", 0))
+
+
+class RegistrationOut(_Out):
+    """The model registration a job asked for (`spec.registerModel`), done once the job SUCCEEDED."""
+
+    state: Literal["pending", "registered", "failed"]
+    """pending: the controller will register it; registered; failed (`error` says why; the job's phase
+    is unaffected)."""
+    name: str
+    """Registered model name."""
+    registry: str | None = None
+    """mlflow or azureml."""
+    version: str | None = None
+    uri: str | None = None
+    """The registry's name for the entry (models:/NAME/VERSION, azureml:NAME:VERSION)."""
+    source: str | None = None
+    """Where the registered file is stored."""
+    tries: int = 0
+    error: str | None = None
+    """The last try's failure."""
+    retry_at: str | None = None
+    registered_at: str | None = None
+
+    @classmethod
+    def of(cls, job: Job) -> RegistrationOut | None:
+        if job.registration_state is None:
+            return None
+        known = set(cls.model_fields) - {"state"}
+        return cls(state=job.registration_state, **{k: v for k, v in (job.registration or {}).items() if k in known})
+
+
 class JobDetail(JobSummary):
     spec: dict[str, Any]
     """The JobSpec document as submitted (immutable), with `spec.env` values hidden."""
@@ -97,12 +147,17 @@ class JobDetail(JobSummary):
     last_heartbeat: dict[str, Any] | None
     last_heartbeat_at: datetime | None
     attempts: list[AttemptOut]
+    privacy: PrivacyOut | None = None
+    """Differential privacy spent so far (null: the job does not train with DP-SGD, or has not stepped)."""
+    registration: RegistrationOut | None = None
+    """The model registration (null: the spec asks for none, or the job has not succeeded)."""
 
     @classmethod
     def of(cls, job: Job) -> JobDetail:  # type: ignore[override]
         return cls(**_summary_fields(job), spec=_hide_env(job.spec), spec_version=job.spec_version, gpus=job.gpus,
                    restart_counts=dict(job.restart_counts or {}), last_heartbeat=job.last_heartbeat,
-                   last_heartbeat_at=job.last_heartbeat_at, attempts=[AttemptOut.of(a) for a in job.attempts])
+                   last_heartbeat_at=job.last_heartbeat_at, attempts=[AttemptOut.of(a) for a in job.attempts],
+                   privacy=PrivacyOut.of(job.last_heartbeat), registration=RegistrationOut.of(job))
 
 
 HIDDEN = "(hidden)"
@@ -158,13 +213,16 @@ class MetricPoint(_Out):
     last_complete_checkpoint: str | None
     mfu: float | None = None
     checkpoint_s: float | None = None
+    dp_epsilon: float | None = None
+    """Epsilon spent by this step under DP-SGD, at `dp_delta` (null: not differentially private)."""
+    dp_delta: float | None = None
 
     @classmethod
     def of(cls, row: Heartbeat) -> MetricPoint:
         return cls(time=row.time, attempt=row.attempt, step=row.step, loss=row.loss, lr=row.lr,
                    grad_norm=row.grad_norm, tokens_per_s=row.tokens_per_s,
                    last_complete_checkpoint=row.last_complete_checkpoint, mfu=row.mfu,
-                   checkpoint_s=row.checkpoint_s)
+                   checkpoint_s=row.checkpoint_s, dp_epsilon=row.dp_epsilon, dp_delta=row.dp_delta)
 
 
 class Metrics(_Out):
@@ -245,7 +303,7 @@ class ProvenanceRecordOut(BaseModel):
 
     job_id: str
     seq: int
-    kind: str = Field(description="submit | attempt | runtime | dataset | checkpoint")
+    kind: str = Field(description="submit | attempt | runtime | dataset | checkpoint | registration")
     attempt: int | None
     time: str
     data: dict[str, Any]

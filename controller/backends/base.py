@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from deepfleet.worker.spec import FailureClass, WorkerSpec
 
 if TYPE_CHECKING:
+    from deepfleet.controller.registry import ExportedModel
     from deepfleet.controller.spec import JobSpec
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -98,4 +99,15 @@ class Backend(Protocol):
     def logs(self, name: str, *, node: int = 0, tail: int | None = None, follow: bool = False) -> Iterator[str]:
         """Lines of node `node`'s log (the last `tail` lines if set); with `follow`, keep yielding until the
         run ends. Raises `BackendError` when the run has no such log."""
+        ...
+
+
+@runtime_checkable
+class ModelSource(Protocol):
+    """A backend that can hand a succeeded run's exported model (`spec.registerModel`) to a model registry:
+    the local backend (a file in the job's area) and Azure ML (the job's model output)."""
+
+    def exported_model(self, run_name: str, *, job_id: str, spec: JobSpec) -> ExportedModel:
+        """Where run `run_name` of job `job_id` put its exported model. Raises
+        `deepfleet.controller.registry.RegistryError` when it exported none (the message says why)."""
         ...

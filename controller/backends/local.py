@@ -37,7 +37,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from deepfleet.controller.backends.base import BackendError, Observation, RunPhase, Submission
 from deepfleet.controller.confine import (
@@ -50,8 +51,20 @@ from deepfleet.controller.confine import (
     resolve_inside,
     user_ids,
 )
+from deepfleet.controller.registry import ExportedModel, RegistryError
 from deepfleet.controller.spec import secret_refs
-from deepfleet.worker.spec import FACTORY_MODULES_ENV, SPEC_ENV, FailureClass, classify_exit
+from deepfleet.worker.spec import (
+    EXPORT_MANIFEST,
+    EXPORT_SUBDIR,
+    FACTORY_MODULES_ENV,
+    SPEC_ENV,
+    ExportManifest,
+    FailureClass,
+    classify_exit,
+)
+
+if TYPE_CHECKING:
+    from deepfleet.controller.spec import JobSpec
 
 RUN_ENV = "DEEPFLEET_LOCAL_RUN"
 # Runs the worker, then records its exit status (128+N for a signal, as the shell reports it).
@@ -114,6 +127,24 @@ def _read_exit(path: Path) -> tuple[int, float] | None:
         text = f.read(8).strip()
         mtime = os.fstat(f.fileno()).st_mtime
     return (int(text) if text.isdigit() and int(text) < 256 else _SIGKILLED), mtime
+
+
+def _read_manifest(path: Path) -> ExportManifest:
+    """A worker's export.json, opened without following a link and read as at most 64 KiB."""
+    from pydantic import ValidationError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise RegistryError(f"{path} is missing: node 0 wrote no export (its log says why)") from None
+    except OSError as e:
+        raise RegistryError(f"{path}: cannot open it ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(64 * 1024)
+    try:
+        return ExportManifest.model_validate_json(text)
+    except ValidationError as e:
+        raise RegistryError(f"{path}: not an export manifest ({e.error_count()} problems)") from None
 
 
 class LocalBackend:
@@ -321,6 +352,26 @@ class LocalBackend:
                     yield from f.readlines()
                     return
                 self._sleep(0.2)
+
+    def exported_model(self, run_name: str, *, job_id: str, spec: JobSpec) -> ExportedModel:
+        """The model node 0 exported into the job's area (`<checkpoint.dir>/export/`), as its manifest names
+        it. The area is the job's to write: every path is resolved inside it and no link is followed."""
+        if spec.spec.checkpoint is None:
+            raise RegistryError("the job has no checkpoint directory, so nothing was exported")
+        area = job_area_path(self.jobs_dir, project=spec.metadata.project, job_id=job_id)
+        try:
+            folder = resolve_inside(area.checkpoints, str(PurePosixPath(spec.spec.checkpoint.dir) / EXPORT_SUBDIR),
+                                    field="spec.checkpoint.dir")
+            manifest = _read_manifest(folder / EXPORT_MANIFEST)
+            if manifest.error:
+                raise RegistryError(f"run {run_name} exported no model: {manifest.error}")
+            if manifest.job_id != job_id or not manifest.file or "/" in manifest.file:
+                raise RegistryError(f"{folder / EXPORT_MANIFEST}: names job {manifest.job_id} and file "
+                                    f"{manifest.file!r}; it is not this job's export")
+            path = resolve_inside(folder, manifest.file, field="export.json file")
+        except ConfineError as e:
+            raise RegistryError(str(e)) from None
+        return ExportedModel(path=path, manifest=manifest.model_dump(mode="json", exclude_none=True))
 
     # ------------------------------------------------------------------ confinement
     def _confined_spec(self, sub: Submission, area: JobArea, *, owner: tuple[int, int] | None):

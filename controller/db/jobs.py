@@ -208,7 +208,7 @@ def record_heartbeat(session: Session, job: Job, report: HeartbeatReport, *, att
         job_id=job.id, attempt=job.current_attempt if attempt is None else attempt, time=report.time,
         received_at=now, step=report.step, loss=report.loss, lr=report.lr, grad_norm=report.grad_norm,
         tokens_per_s=report.tokens_per_s, last_complete_checkpoint=report.last_complete_checkpoint,
-        mfu=report.mfu, checkpoint_s=report.checkpoint_s,
+        mfu=report.mfu, checkpoint_s=report.checkpoint_s, dp_epsilon=report.dp_epsilon, dp_delta=report.dp_delta,
     )
     session.add(row)
     previous = (job.last_heartbeat or {}).get("last_complete_checkpoint")

@@ -40,6 +40,7 @@ PRIORITIES = ("low", "normal", "high")
 # backends that lifecycle imports) filters and counts by phase; a test keeps the two identical.
 JOB_PHASES = ("PENDING", "ADMITTED", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
 TERMINAL_PHASES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+REGISTRATION_STATES = ("pending", "registered", "failed")
 
 # Deterministic constraint names, so autogenerate and downgrades see the same names on every database.
 NAMING = {
@@ -132,6 +133,8 @@ class Job(Base):
         Index("ix_jobs_project_created", "project", "created_at", "id"),
         Index("ix_jobs_phase", "phase"),
         Index("ix_jobs_queue_phase", "queue", "phase"),
+        Index("ix_jobs_registration_state", "registration_state"),
+        _one_of("registration_state", REGISTRATION_STATES, "registration_state"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -167,6 +170,11 @@ class Job(Base):
     claimed_by: Mapped[str | None] = mapped_column(String(64))
     """The controller replica working on this job now (None: unclaimed)."""
     claim_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    registration_state: Mapped[str | None] = mapped_column(String(16))
+    """`spec.registerModel` of a SUCCEEDED job: pending (the reconciler registers it), registered or
+    failed; None for a job that asks for none (or has not succeeded)."""
+    registration: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """What the registration did: registry, name, version, uri, tries, error (`controller.registration`)."""
 
     labels: Mapped[list[JobLabel]] = relationship(
         back_populates="job", cascade="all, delete-orphan", lazy="selectin"
@@ -255,6 +263,9 @@ class Heartbeat(Base):
     """Model FLOPs utilization of the newest step (None unless the job enables the FLOPs profiler)."""
     checkpoint_s: Mapped[float | None] = mapped_column(Float)
     """Seconds this attempt has spent saving checkpoints so far (goodput's checkpoint stalls)."""
+    dp_epsilon: Mapped[float | None] = mapped_column(Float)
+    """Epsilon spent so far under DP-SGD, at `dp_delta` (None: the run is not differentially private)."""
+    dp_delta: Mapped[float | None] = mapped_column(Float)
 
 
 class Lease(Base):
@@ -294,7 +305,7 @@ class ProvenanceRecord(Base):
     seq: Mapped[int] = mapped_column(Integer)
     """0, 1, 2, ... within the job."""
     kind: Mapped[str] = mapped_column(String(16))
-    """submit | attempt | runtime | dataset | checkpoint."""
+    """submit | attempt | runtime | dataset | checkpoint | registration."""
     attempt: Mapped[int | None] = mapped_column(Integer)
     time: Mapped[str] = mapped_column(String(40))
     """ISO 8601 UTC text, exactly as hashed."""

@@ -7,11 +7,14 @@ Behaviour comes from the spec's entrypoint args (so a job spec drives it):
   --exit CODE      exit status after the last step (default 0)
   --fail-node I --fail-attempt A --fail-code C --fail-at-step K   node I of attempt A exits C at step K
   --child          start a grandchild in a new session (like torchrun's training processes)
+  --no-export      write no exported model even when the spec asks for one (node 0 otherwise writes a
+                   tiny safetensors file and its export.json on success, as worker/export.py does)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -20,7 +23,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from deepfleet.worker.spec import load_worker_spec
+from deepfleet.worker.spec import (
+    EXPORT_MANIFEST,
+    EXPORT_MODEL_FILE,
+    ExportManifest,
+    WorkerSpec,
+    load_worker_spec,
+)
 
 
 def main() -> int:
@@ -34,6 +43,7 @@ def main() -> int:
     p.add_argument("--fail-code", type=int, default=76)
     p.add_argument("--fail-at-step", type=int, default=2)
     p.add_argument("--child", action="store_true")
+    p.add_argument("--no-export", action="store_true")
     args = p.parse_args(spec.entrypoint.args)
     node = int(os.environ.get("DEEPFLEET_NODE_RANK", "0"))
     print(f"fake worker node {node} attempt {spec.attempt} rendezvous {spec.rendezvous.endpoint}", flush=True)
@@ -76,7 +86,27 @@ def main() -> int:
         print(f"node {node} failing with {args.fail_code}", flush=True)
         return args.fail_code
     print("done", flush=True)
+    if node == 0 and args.exit == 0 and not args.no_export:
+        _export(spec, ckpt)
     return args.exit
+
+
+def _export(spec: WorkerSpec, ckpt: Path | None) -> None:
+    """A two-float safetensors file (written by hand: no torch here) and its manifest."""
+    out = spec.export_dir
+    if out is None or ckpt is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tag = (ckpt / "latest").read_text() if (ckpt / "latest").exists() else "global_step0"
+    header = json.dumps({"__metadata__": {"format": "pt", "deepfleet.job_id": spec.job_id},
+                         "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = len(header).to_bytes(8, "little") + header + bytes.fromhex("0000803f00000040")  # [1.0, 2.0]
+    (out / EXPORT_MODEL_FILE).write_bytes(data)
+    manifest = ExportManifest(job_id=spec.job_id, attempt=spec.attempt, file=EXPORT_MODEL_FILE, checkpoint=tag,
+                              dtype=spec.export.dtype if spec.export else "fp32", tensors=1, bytes=len(data),
+                              sha256=hashlib.sha256(data).hexdigest())
+    (out / EXPORT_MANIFEST).write_text(manifest.model_dump_json(exclude_none=True))
 
 
 def _await_checkpoint(ckpt: Path | None, *, timeout_s: float = 30.0) -> None:

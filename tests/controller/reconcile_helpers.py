@@ -16,6 +16,7 @@ from deepfleet.controller.backends.local import LocalBackend
 from deepfleet.controller.db.models import Base, Event, Job, Project, Queue
 from deepfleet.controller.db.session import make_engine, make_session_factory
 from deepfleet.controller.reconciler import Reconciler, ReconcilerConfig
+from deepfleet.controller.registry import ModelRegistry
 from deepfleet.controller.scheduler import Limit
 from deepfleet.controller.spec import JobSpec, job_world_size
 from tests.controller.jobspecs import FAKE_WORKER, job_document
@@ -46,12 +47,12 @@ def insert_job(sessions: sessionmaker[Session], doc: dict, *, created: datetime 
 
 
 def reconciler(sessions: sessionmaker[Session], tmp_path: Path, *, replica: str = "r1", slots: int = 8,
-               lease_seconds: float = 30.0) -> Reconciler:
+               lease_seconds: float = 30.0, registry: ModelRegistry | None = None) -> Reconciler:
     backend = LocalBackend(tmp_path / "logs", slots=slots, workdir=tmp_path, worker_command=FAKE_WORKER,
                            cancel_grace_s=2)
     config = ReconcilerConfig(replica_id=replica, controller_url="http://127.0.0.1:9", secret="s",
                               capacity=Limit(processes=slots), lease_seconds=lease_seconds)
-    return Reconciler(sessions, backend=backend, config=config)
+    return Reconciler(sessions, backend=backend, config=config, registry=registry)
 
 
 def job(sessions: sessionmaker[Session], job_id: str) -> Job:
