@@ -1,9 +1,9 @@
 """Step-time overhead of DP-SGD (`deepfleet_differential_privacy`, engine/privacy.py) against plain training on the
 example GPT (examples/gpt, its default small size) on 2 gloo ranks, at ZeRO stages 0, 1 and 2.
 
-Both runs freeze the position embedding (DP-SGD needs a batch dimension on every trainable layer's input;
-the example GPT calls it on `arange(seq)`), use the same AdamW and batches, and time `--steps` optimizer
-steps after `--warmup`. Prints one JSON line per (stage, mode) with the median and fastest step seconds,
+Both runs train the model as shipped (every parameter, the position embedding included: the example feeds
+it batched positions, as DP-SGD's per-sample gradients need), use the same AdamW and batches, and time
+`--steps` optimizer steps after `--warmup`. Prints one JSON line per (stage, mode) with the median and fastest step seconds,
 then one line per stage with the DP/plain ratios and the epsilon reached at delta = 1e-5. On a shared
 machine the fastest step is the steadier figure.
 
@@ -32,15 +32,13 @@ def _rank(rank: int, world_size: int, stage: int, private: bool, micro: int, ste
     torch.manual_seed(0)
     cfg = GPTConfig()
     model = GPTWithLoss(cfg)
-    model.gpt.pos.weight.requires_grad_(False)
     config = {"train_micro_batch_size_per_gpu": micro, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     data = SyntheticTokens(num_samples=4096, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
     if private:
         config["deepfleet_differential_privacy"] = {"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
                                           "delta": 1e-5, "dataset_size": len(data), "seed": 1}
-    engine, *_ = deepspeed.initialize(model=model, config=config,
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     times = []
     for step in range(warmup + steps):
         rows = [data[(step * world_size + rank) * micro + i] for i in range(micro)]

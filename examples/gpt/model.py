@@ -62,8 +62,11 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (batch, seq, d_model)
+        b, t = idx.shape
+        # Positions carry the batch dimension (batch, seq), not just arange(seq): the same rows, but every
+        # layer then sees one input per example, which DP-SGD's per-sample gradients need.
+        positions = torch.arange(t, device=idx.device).expand(b, t)
+        x = self.tok(idx) + self.pos(positions)  # (batch, seq, d_model)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))  # (batch, seq, vocab)

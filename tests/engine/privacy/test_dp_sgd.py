@@ -140,3 +140,33 @@ def test_config_errors_name_the_key() -> None:
     dp = build_privacy(_cfg({"enabled": True, "noise_multiplier": 1.0}), make_model(), object(), group=None,
                        dp_size=1, dataset_size=400)
     assert dp is not None and dp.sample_rate == 4 / 400
+
+
+def test_the_example_gpt_as_shipped_has_per_sample_gradients_for_every_parameter() -> None:
+    """examples/gpt feeds its position embedding batched positions, so DP-SGD needs nothing frozen: the
+    clipped per-sample sum over every parameter (the position table included) equals a per-example loop."""
+    from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
+
+    torch.manual_seed(0)
+    model = GPTWithLoss(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=1))
+    params = list(model.parameters())
+    assert all(p.requires_grad for p in params)
+    dp = DPSGD(model, object(), section=_section(max_grad_norm=0.5), sample_rate=0.01, batch_size=4,
+               gradient_accumulation_steps=1, group=None, dp_size=1, reduce_here=False)
+    data = SyntheticTokens(num_samples=4, seq_len=8, vocab_size=32)
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
+    with dp.backward_context():
+        model(batch).backward()
+    dp.after_backward()
+    expected = [torch.zeros_like(p) for p in params]
+    for i in range(4):
+        model.zero_grad()
+        with DPSGD.backward_context():
+            model({k: v[i:i + 1] for k, v in batch.items()}).backward()
+        grads = [p.grad.detach().clone() for p in params]
+        factor = min(1.0, 0.5 / (math.sqrt(sum(float(g.pow(2).sum()) for g in grads)) + 1e-6))
+        for e, g in zip(expected, grads, strict=True):
+            e.add_(g, alpha=factor)
+    assert dp._sums[1] is not None and dp._sums[1].shape == model.gpt.pos.weight.shape  # the position table
+    for s, e in zip(dp._sums, expected, strict=True):
+        torch.testing.assert_close(s, e, rtol=1e-4, atol=1e-6)
