@@ -30,6 +30,15 @@ Completed -> SUCCEEDED; Failed, Canceled -> FAILED. Azure reports no per-node ex
 API; a status message of the form "... exited with status code N" is classified with `classify_exit`,
 otherwise the class is UNKNOWN.
 
+Model registration (`spec.registerModel`): the command job gets a read-write mounted `uri_folder` output
+`model` and the worker runs as `deepfleet-worker --export-dir ${{outputs.model}}`, so node 0 exports the
+model into it; when the job completed, `AzureMLModelRegistry` registers
+`azureml://jobs/<run>/outputs/model/paths/model.safetensors` as a `custom_model` asset of the workspace
+(`ml_client.models.create_or_update`), the next version of the name, tagged with the job id, its URL and
+the provenance head. The controller does not read the output, so the file carries the job id, attempt
+and checkpoint (the worker's metadata), not the chain; the chain's head is in the asset's tags and
+properties. A version already tagged with the job is adopted (a lost commit never registers twice).
+
 Logs: node N's log is the run's `user_logs/std_log_process_N.txt` (one process per instance, as above).
 The SDK's public `jobs.stream` prints every log to stdout until the job ends, so `logs` takes the same
 path through the SDK's own pieces instead: the run-history client of `ml_client.jobs` lists the run's
@@ -46,8 +55,9 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from azure.ai.ml import MLClient, PyTorchDistribution, command
-from azure.ai.ml.entities import Environment, ManagedIdentityConfiguration
+from azure.ai.ml import MLClient, Output, PyTorchDistribution, command
+from azure.ai.ml.constants import AssetTypes
+from azure.ai.ml.entities import Environment, ManagedIdentityConfiguration, Model
 from azure.ai.ml.exceptions import MlException
 from azure.core.exceptions import (
     AzureError,
@@ -59,8 +69,10 @@ from azure.core.exceptions import (
 )
 
 from deepfleet.controller.backends.base import BackendError, Observation, RunPhase, Submission
-from deepfleet.controller.spec import node_bounds, secret_refs
+from deepfleet.controller.registry import ExportedModel, Registered, RegistrationRequest, RegistryError
+from deepfleet.controller.spec import JobSpec, node_bounds, secret_refs
 from deepfleet.worker.spec import (
+    EXPORT_MODEL_FILE,
     KEYVAULT_SECRETS_ENV,
     KEYVAULT_URL_ENV,
     SPEC_ENV,
@@ -87,6 +99,9 @@ PHASES: dict[str, RunPhase] = {
 TAG_JOB_ID = "deepfleet.job-id"
 TAG_ATTEMPT = "deepfleet.attempt"
 TAG_RUN = "deepfleet.run"
+TAG_JOB_URL = "deepfleet.job-url"
+TAG_HEAD = "deepfleet.provenance-head"
+MODEL_OUTPUT = "model"  # the command job's output node 0 exports into (spec.registerModel)
 _EXIT = re.compile(r"exit(?:ed)? (?:with )?(?:status |exit )?code[: ]+(-?\d+)", re.IGNORECASE)
 
 
@@ -162,9 +177,12 @@ def command_job(sub: Submission, *, key_vault_url: str | None = None) -> Any:
                              "DEEPFLEET_AZUREML_KEY_VAULT to the vault URL (https://<name>.vault.azure.net)")
         variables[KEYVAULT_URL_ENV] = key_vault_url
         variables[KEYVAULT_SECRETS_ENV] = json.dumps({var: ref.secret for var, ref in sorted(refs.items())})
+    export = sub.worker_spec.export is not None
     return command(
         name=sub.name,
-        command=WORKER_COMMAND,
+        # Azure mounts the output read-write on every node and substitutes its path into the command.
+        command=f"{WORKER_COMMAND} --export-dir ${{{{outputs.{MODEL_OUTPUT}}}}}" if export else WORKER_COMMAND,
+        outputs={MODEL_OUTPUT: Output(type=AssetTypes.URI_FOLDER, mode="rw_mount")} if export else None,
         environment=env,
         compute=options.compute,
         instance_count=nodes,
@@ -257,6 +275,15 @@ class AzureMLBackend:
         except (AzureError, MlException) as e:
             raise translate(e, f"cancel job {name}") from e
 
+    def exported_model(self, run_name: str, *, job_id: str, spec: JobSpec) -> ExportedModel:
+        """The model file in run `run_name`'s model output (uploaded by Azure when the job completed). The
+        controller cannot read that output's export.json, so nothing is checked before registering."""
+        return ExportedModel(uri=f"azureml://jobs/{run_name}/outputs/{MODEL_OUTPUT}/paths/{EXPORT_MODEL_FILE}")
+
+    def model_registry(self) -> AzureMLModelRegistry:
+        """Where this workspace's succeeded jobs' models are registered: its own model assets."""
+        return AzureMLModelRegistry(self.ml_client)
+
     def logs(self, name: str, *, node: int = 0, tail: int | None = None, follow: bool = False) -> Iterator[str]:
         if self._get(name) is None:
             raise BackendError(f"azureml: no job {name}", transient=False)
@@ -301,3 +328,47 @@ def _status_message(job: Any) -> str:
         if props.get(key):
             return str(props[key])
     return ""
+
+
+class AzureMLModelRegistry:
+    """Registers a succeeded job's exported model as a model asset of the workspace
+    (`ml_client.models.create_or_update(Model(...))`, type custom_model, the file in the job's model output),
+    tagged with the job id, its URL and the provenance head; the next version of the name each job."""
+
+    kind = "azureml"
+
+    def __init__(self, ml_client: MLClient) -> None:
+        self.ml_client = ml_client
+
+    def register(self, request: RegistrationRequest) -> Registered:
+        if request.model.uri is None:
+            raise RegistryError("no Azure ML address for the exported model; Azure ML registers job outputs only")
+        try:
+            for existing in self._versions(request.name):
+                if (existing.tags or {}).get(TAG_JOB_ID) == request.job_id:  # a try whose commit was lost
+                    return self._registered(existing, request)
+            tags = {TAG_JOB_ID: request.job_id, TAG_JOB_URL: request.job_url, TAG_HEAD: request.head,
+                    "deepfleet.job-name": request.job_name, "deepfleet.project": request.project}
+            model = Model(name=request.name, path=request.model.uri, type=AssetTypes.CUSTOM_MODEL,
+                          description=request.description, tags=tags, properties={TAG_HEAD: request.head})
+            created = self.ml_client.models.create_or_update(model)
+        except HttpResponseError as e:
+            error = translate(e, f"register model {request.name}")
+            if error.transient:
+                raise error from e
+            raise RegistryError(str(error)) from e
+        except (AzureError, MlException) as e:
+            raise translate(e, f"register model {request.name}") from e
+        return self._registered(created, request)
+
+    def _versions(self, name: str) -> list[Any]:
+        try:
+            return list(self.ml_client.models.list(name=name))
+        except ResourceNotFoundError:
+            return []
+
+    @staticmethod
+    def _registered(model: Any, request: RegistrationRequest) -> Registered:
+        return Registered(name=model.name, version=str(model.version), run_id="", source=str(model.path),
+                          job_id=request.job_id, provenance_head=(model.tags or {}).get(TAG_HEAD, request.head),
+                          uri=f"azureml:{model.name}:{model.version}")

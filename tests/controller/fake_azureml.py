@@ -6,6 +6,11 @@ the ARM URLs and api-versions); the fake stores jobs, answers GET/PUT/cancel lik
 ARM error body for unknown jobs, 201 on create), lets a test move a job through Azure's statuses
 (`set_status`) and inject error responses (`fail_next`), and records every request.
 
+Model assets as ARM keeps them: a version PUT (`models/{name}/versions/{v}`) creates the model container on
+first use; the container (`models/{name}`) answers its next version and 404 before any exists; listing a
+name's versions answers a page, newest first (`$orderBy=createdtime desc`, `$top`), empty for an unknown
+name (the SDK reads an empty page as "no such model").
+
 Job logs take the path the SDK's own `jobs.stream` takes: the workspace's discovery document names the
 run-history host, whose `runs/{name}/details` lists the run's log files as (SAS) URLs on a storage host,
 which answer the text; `append_log` writes a node's `user_logs/std_log_process_<node>.txt` there.
@@ -54,6 +59,7 @@ class FakeAzureML(HttpTransport):
     calls: list[Call] = field(default_factory=list)
     faults: list[tuple[str, re.Pattern[str], int, dict[str, Any]]] = field(default_factory=list)
     logs: dict[str, dict[str, str]] = field(default_factory=dict)  # job name -> log file name -> text
+    models: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # model name -> versions, oldest first
 
     # azure-core's transport protocol
     def __enter__(self) -> FakeAzureML:
@@ -84,6 +90,9 @@ class FakeAzureML(HttpTransport):
 
     def job_puts(self) -> list[Call]:
         return [c for c in self.calls if c.method == "PUT" and re.search(r"/jobs/[^/]+$", c.path)]
+
+    def model_puts(self) -> list[Call]:
+        return [c for c in self.calls if c.method == "PUT" and re.search(r"/models/[^/]+/versions/[^/]+$", c.path)]
 
     # ------------------------------------------------------------------ requests
     def _respond(self, request: Any, status: int, body: Any = None, *, text: str | None = None) -> Any:
@@ -117,6 +126,9 @@ class FakeAzureML(HttpTransport):
         if m := re.search(r"/environments/([^/]+)/versions/([^/]+)$", path):
             return self._respond(request, 200, {"id": path, "name": m.group(2),
                                                 "properties": (body or {}).get("properties", {})})
+        if m := re.search(r"/models/([^/]+)(/versions(?:/([^/]+))?)?$", path):
+            return self._model(request, path, query, m.group(1), listing=bool(m.group(2)) and not m.group(3),
+                               version=m.group(3), body=body)
         if (m := re.search(r"/jobs/([^/]+)/cancel$", path)) and request.method == "POST":
             if m.group(1) not in self.jobs:
                 return self._respond(request, 404, {"error": {"code": "UserError", "message": "job not found"}})
@@ -135,6 +147,48 @@ class FakeAzureML(HttpTransport):
         if re.search(r"/workspaces/[^/]+$", path) and request.method == "GET":
             return self._respond(request, 200, {"id": path, "name": path.rsplit("/", 1)[-1], "location": "westeurope",
                                                 "properties": {"discoveryUrl": f"{HISTORY}/discovery"}})
+        return self._respond(request, 404, {"error": {"code": "NotFound", "message": f"no route {request.method} {path}"}})
+
+    def _model(self, request: Any, path: str, query: str, name: str, *, listing: bool, version: str | None,
+               body: Any) -> Any:
+        versions = self.models.get(name, [])
+        if listing and request.method == "GET":
+            params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+            page = list(reversed(versions)) if "desc" in params.get("$orderBy", "").lower() else list(versions)
+            if params.get("listViewType", "ActiveOnly") == "ActiveOnly":
+                page = [v for v in page if not v["properties"].get("isArchived")]
+            top = int(params["$top"]) if params.get("$top", "").isdigit() else None
+            return self._respond(request, 200, {"value": page[:top] if top else page})
+        if version is None and request.method == "GET":
+            if not versions:
+                return self._respond(request, 404, {"error": {"code": "UserError",
+                                                              "message": f"Could not find asset with name {name}"}})
+            latest = versions[-1]["name"]
+            nxt = str(int(latest) + 1) if latest.isdigit() else None
+            return self._respond(request, 200, {"id": path, "name": name,
+                                                "type": "Microsoft.MachineLearningServices/workspaces/models",
+                                                "properties": {"latestVersion": latest, "nextVersion": nxt}})
+        if version is not None and request.method == "PUT":
+            found = next((v for v in versions if v["name"] == version), None)
+            if found is not None and found["properties"].get("modelUri") != body["properties"].get("modelUri"):
+                return self._respond(request, 409, {"error": {"code": "UserError", "message":
+                                                              "Cannot update the path of an existing asset"}})
+            stamp = f"2026-12-02T16:00:{len(versions):02d}.000000+00:00"
+            item = {"id": path, "name": version, "type": "Microsoft.MachineLearningServices/workspaces/models/versions",
+                    # The service fills flavors ({} for a custom model) and the provisioning state.
+                    "properties": {"flavors": {}, **body["properties"], "provisioningState": "Succeeded"},
+                    "systemData": {"createdAt": stamp, "lastModifiedAt": stamp}}
+            if found is None:
+                self.models.setdefault(name, []).append(item)
+            else:
+                versions[versions.index(found)] = item
+            return self._respond(request, 201 if found is None else 200, item)
+        if version is not None and request.method == "GET":
+            found = next((v for v in versions if v["name"] == version), None)
+            if found is not None:
+                return self._respond(request, 200, found)
+            return self._respond(request, 404, {"error": {"code": "UserError",
+                                                          "message": f"Could not find asset {name}:{version}"}})
         return self._respond(request, 404, {"error": {"code": "NotFound", "message": f"no route {request.method} {path}"}})
 
     def _data_plane(self, request: Any, url: str) -> Any:
