@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         except RendezvousEnvError as e:
             print(f"deepfleet-worker: {e}", file=sys.stderr)
             return int(ExitCode.INVALID_SPEC)
+        exports = f", exports the model to {spec.export_dir}" if spec.export_dir is not None else ""
         print(f"ok: job {spec.job_id} attempt {spec.attempt}, node {rdzv.node_rank} of {rdzv.nnodes} "
-              f"({rdzv.platform}), {rdzv.nproc_per_node} process(es), rendezvous {rdzv.endpoint}")
+              f"({rdzv.platform}), {rdzv.nproc_per_node} process(es), rendezvous {rdzv.endpoint}{exports}")
         return int(ExitCode.SUCCEEDED)
     if os.environ.get(KEYVAULT_SECRETS_ENV):
         from deepfleet.worker.keyvault import KeyVaultError, resolve_secrets

@@ -34,3 +34,17 @@ def checkpoint_dir(data_dir: Path, job_id: str, name: str, *, project: str = "te
 
 def job_spec(name: str = "fake", **kw) -> JobSpec:
     return validate_job(job_document(name, **kw))
+
+
+TINY_GPT_ARGS = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 1, "num_samples": 256}
+
+
+def tiny_gpt_job(name: str, *, steps: int, engine: dict | None = None, **spec: object) -> dict:
+    """A one-process managed-loop job on a very small example GPT (examples/gpt; the controller's
+    workdir must be the repository root): the cheapest real-worker job."""
+    return {"apiVersion": "deepfleet/v1", "kind": "TrainingJob", "metadata": {"name": name, "project": "test"},
+            "spec": {"backend": "local", "nodes": 1, "processesPerNode": 1, "maxSteps": steps,
+                     "entrypoint": {"factory": "examples.gpt.factories:build", "args": dict(TINY_GPT_ARGS)},
+                     "engine": {"train_micro_batch_size_per_gpu": 4,
+                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **(engine or {})},
+                     "restartPolicy": {"maxRestarts": 0}, **spec}}

@@ -2,8 +2,7 @@
 shipped, nothing frozen) that asks for `registerModel` succeeds; node 0 exports its newest checkpoint, the
 controller registers it in its local MLflow store by itself, and MLflow's own client reads the entry back,
 linked to the job, the file carrying the job's provenance chain. The job's record (API and `deepfleet get`)
-and its step metrics carry the epsilon spent. Slow: one real controller and one real training job (~40 s
-on two cores)."""
+and its step metrics carry the epsilon spent. Slow: one real controller and one real training job."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from deepfleet.controller import provenance as prov
 from deepfleet.controller.cli import app as cli_app
 from tests.controller.conftest import ADMIN_TOKEN
 from tests.controller.e2e_helpers import Controller, wait_phase
-from tests.controller.jobspecs import checkpoint_dir
+from tests.controller.jobspecs import checkpoint_dir, tiny_gpt_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")]
@@ -27,20 +26,9 @@ STEPS = 4
 
 
 def dp_gpt_job(name: str) -> dict:
-    return {"apiVersion": "deepfleet/v1", "kind": "TrainingJob", "metadata": {"name": name, "project": "test"},
-            "spec": {
-                "backend": "local", "nodes": 1, "processesPerNode": 1, "maxSteps": STEPS,
-                "entrypoint": {"factory": "examples.gpt.factories:build",
-                               "args": {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 1,
-                                        "num_samples": 256}},
-                "engine": {"train_micro_batch_size_per_gpu": 4,
-                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                           "deepfleet_differential_privacy": {"enabled": True, "noise_multiplier": 1.0,
-                                                              "max_grad_norm": 1.0, "delta": 1e-5}},
-                "checkpoint": {"dir": "ck"},
-                "restartPolicy": {"maxRestarts": 0},
-                "registerModel": {"name": "tiny-gpt"},
-            }}
+    dp = {"deepfleet_differential_privacy": {"enabled": True, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
+                                             "delta": 1e-5}}
+    return tiny_gpt_job(name, steps=STEPS, engine=dp, checkpoint={"dir": "ck"}, registerModel={"name": "tiny-gpt"})
 
 
 def wait_registration(client, job_id: str, *, timeout: float = 120.0) -> dict:

@@ -108,6 +108,14 @@ def test_restart_policy_is_the_workers_model_with_one_set_of_defaults() -> None:
         ("memory: 8Gi", "memory: lots", "spec.resources.memory: must be a Kubernetes quantity"),
         ("{script: examples/gpt/train.py,", "{module: examples/gpt/train.py,", "spec.entrypoint: give either"),
         ("env: {KEY: value}", "env: {DEEPFLEET_TOKEN: x}", "spec.env: DEEPFLEET_TOKEN is set by deepfleet"),
+        ("env: {KEY: value}", "env: {DEEPFLEET_CA_BUNDLEX: x}", "spec.env: DEEPFLEET_CA_BUNDLEX is set by deepfleet"),
+        ("queue: default", "queue: default\n  registerModel: {name: gpt-small, dtype: int8}",
+         "spec.registerModel.dtype: Input should be 'fp32', 'bf16' or 'fp16'"),
+        ("queue: default", "queue: default\n  registerModel: {name: 'gpt small'}", "spec.registerModel.name: String"),
+        ("checkpoint: {dir: ./runs/gpt-small, everySteps: 20, keepLast: 3}", "registerModel: {name: gpt-small}",
+         "spec.registerModel: the model is exported from the newest complete checkpoint; set checkpoint"),
+        ("backend: local", "backend: kubernetes\n  registerModel: {name: gpt-small}",
+         "spec.registerModel: not supported on backend kubernetes yet"),
         ("priority: normal", "priority: urgent", "spec.priority: Input should be 'low', 'normal' or 'high'"),
         ("backend: local\n  image: registry.example.com/deepfleet-worker:0.1", "backend: kubernetes",
          "spec.image: required for backend kubernetes"),
@@ -188,3 +196,14 @@ def test_retry_on_user_error_reaches_the_restart_decision() -> None:
         job = Job(spec=spec, phase="RUNNING", current_attempt=1, restart_counts={}, desired_state=None,
                   not_before=None, last_heartbeat=None)
         assert Reconciler._state(job, None).retry_user_errors is flag
+
+
+def test_a_job_may_name_its_ca_bundle_and_ask_for_registration() -> None:
+    from deepfleet.controller.compile import worker_spec
+
+    text = EXAMPLE.replace("env: {KEY: value}", "env: {DEEPFLEET_CA_BUNDLE: /etc/deepfleet/ca.pem}")
+    spec = parse_job_yaml(text.replace("queue: default", "queue: default\n  registerModel: {name: gpt-small, dtype: bf16}"))
+    assert spec.spec.env == {"DEEPFLEET_CA_BUNDLE": "/etc/deepfleet/ca.pem"}
+    ws = worker_spec(spec, job_id="j", attempt=0)
+    assert ws.export is not None and ws.export.dtype == "bf16" and str(ws.export_dir) == "runs/gpt-small/export"
+    assert worker_spec(parse_job_yaml(EXAMPLE), job_id="j", attempt=0).export is None

@@ -1,5 +1,7 @@
 """The controller over TLS with a certificate made in the test: the CLI and the worker's heartbeat
-poster verify it through DEEPFLEET_CA_BUNDLE, and both refuse a certificate their bundle does not trust."""
+poster verify it through DEEPFLEET_CA_BUNDLE, and both refuse a certificate their bundle does not trust;
+a real worker's job heartbeats over TLS to SUCCEEDED, and one given the wrong CA bundle posts nothing
+(a clear CERTIFICATE_VERIFY_FAILED in its log, no fallback) while its training still completes."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from typer.testing import CliRunner
 
 from deepfleet.controller.cli import app
 from tests.controller.conftest import ADMIN_TOKEN
-from tests.controller.e2e_helpers import Controller
-from tests.controller.jobspecs import FAKE_WORKER, job_document
+from tests.controller.e2e_helpers import Controller, wait_phase
+from tests.controller.jobspecs import FAKE_WORKER, job_document, tiny_gpt_job
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def self_signed(folder: Path, name: str) -> tuple[Path, Path]:
@@ -72,6 +76,45 @@ def test_cli_and_worker_verify_the_controllers_certificate(tmp_path: Path, monke
         assert result.exit_code != 0 and "cannot reach the controller" in result.output
     finally:
         c.client.close()  # an open keep-alive connection would hold up the server's graceful shutdown
+        c.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # two real training jobs on one controller
+def test_a_real_worker_heartbeats_over_tls_and_refuses_a_wrong_ca(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    cert, key = self_signed(tmp_path, "controller")
+    wrong, _ = self_signed(tmp_path, "impostor")
+    data = tmp_path / "data"
+    c = Controller(f"sqlite:///{tmp_path / 'db.sqlite'}", data, workdir=ROOT, tls=(cert, key),
+                   heartbeat_interval=0.5)
+    try:
+        trusted = c.client.submit(json.dumps(tiny_gpt_job("tls-ok", steps=3, env={"DEEPFLEET_CA_BUNDLE": str(cert)})),
+                                  content_type="application/json")
+        refused = c.client.submit(json.dumps(tiny_gpt_job("tls-wrong", steps=3,
+                                                          env={"DEEPFLEET_CA_BUNDLE": str(wrong)})),
+                                  content_type="application/json")
+        for job in (trusted, refused):  # heartbeats are best effort: training finishes either way
+            done = wait_phase(c.client, job["id"], {"SUCCEEDED", "FAILED"}, timeout=300)
+            assert done["phase"] == "SUCCEEDED", c.client.logs(job["id"], tail=30)
+
+        beats = c.client.metrics(trusted["id"])
+        assert beats and beats[-1]["step"] == 3 and beats[-1]["loss"] is not None
+        assert "CERTIFICATE_VERIFY_FAILED" not in c.client.logs(trusted["id"])
+        monkeypatch.setenv("DEEPFLEET_URL", c.url)
+        monkeypatch.setenv("DEEPFLEET_API_TOKEN", ADMIN_TOKEN)
+        monkeypatch.setenv("DEEPFLEET_CA_BUNDLE", str(cert))
+        shown = CliRunner().invoke(app, ["get", trusted["id"]])
+        assert shown.exit_code == 0, shown.output
+        view = json.loads(shown.output)
+        assert view["phase"] == "SUCCEEDED" and view["step"] == 3 and view["last_heartbeat"]["step"] == 3
+
+        assert c.client.metrics(refused["id"]) == [] and c.client.get(refused["id"])["last_heartbeat"] is None
+        log = c.client.logs(refused["id"])
+        assert f"heartbeat to {c.url}/v1/jobs/{refused['id']}/heartbeat failed" in log, log[-3000:]
+        assert "CERTIFICATE_VERIFY_FAILED" in log
+    finally:
+        c.client.close()
         c.stop()
 
 
