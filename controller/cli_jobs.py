@@ -173,7 +173,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def get(job_id: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
-        """Show one job (JSON), with its goodput, lost time by cause, MFU, tokens/s and ETA under "goodput"."""
+        """Show one job (JSON): its differential privacy spent ("privacy"), its model registration
+        ("registration"), and its goodput, lost time by cause, MFU, tokens/s and ETA under "goodput"."""
         with _client(url, token) as client:
             job = _call(client.get, job_id)
             job["goodput"] = _call(client.goodput, job_id)
@@ -187,7 +188,7 @@ def register(app: typer.Typer) -> None:
         url: UrlOpt = None,
         token: TokenOpt = None,
     ) -> None:
-        """Training jobs at a glance: step, loss, tokens/s, MFU, goodput and ETA (newest first)."""
+        """Training jobs at a glance: step, loss, tokens/s, MFU, goodput, ETA and DP epsilon (newest first)."""
         import time as clock
 
         from rich.console import Console
@@ -338,15 +339,17 @@ def top_table(client: Any, *, all_jobs: bool, limit: int) -> Any:
     finished = {"SUCCEEDED", "FAILED", "CANCELLED"}
     jobs = [j for j in _call(client.list_jobs, limit=limit)["items"] if all_jobs or j["phase"] not in finished]
     table = Table(box=None)
-    for header in ("ID", "NAME", "PHASE", "STEP", "LOSS", "TOKENS/S", "MFU", "GOODPUT", "ETA"):
+    for header in ("ID", "NAME", "PHASE", "STEP", "LOSS", "TOKENS/S", "MFU", "GOODPUT", "ETA", "EPSILON"):
         table.add_column(header, no_wrap=True)
     for j in jobs:
         g = _call(client.goodput, j["id"])
-        hb = (_call(client.get, j["id"]).get("last_heartbeat") or {})
+        detail = _call(client.get, j["id"])
+        hb = detail.get("last_heartbeat") or {}
         step = "-" if j["step"] is None else f"{j['step']}" + (f"/{j['max_steps']}" if j["max_steps"] else "")
         table.add_row(
             j["id"], j["name"], j["phase"], step, _fmt(hb.get("loss"), "{:.4f}"), _fmt(g["tokens_per_s"], "{:,.0f}"),
-            _fmt(g["mfu"], "{:.1%}"), _fmt(g["goodput"], "{:.1%}"), _duration(g["eta_s"]))
+            _fmt(g["mfu"], "{:.1%}"), _fmt(g["goodput"], "{:.1%}"), _duration(g["eta_s"]),
+            _fmt((detail.get("privacy") or {}).get("epsilon"), "{:.3g}"))
     return table
 
 

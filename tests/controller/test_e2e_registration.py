@@ -73,6 +73,8 @@ def test_a_dp_gpt_job_registers_its_model_in_mlflow_and_reports_epsilon(tmp_path
         assert shown.exit_code == 0, shown.output
         view = json.loads(shown.output)
         assert view["privacy"] == privacy and view["registration"]["uri"] == "models:/tiny-gpt/1"
+        top = CliRunner().invoke(cli_app, ["top", "--all"])
+        assert "EPSILON" in top.output and f"{privacy['epsilon']:.3g}" in top.output, top.output
 
         chain = c.client.provenance(job["id"])
         assert chain["verified"] and chain["records"][-1]["kind"] == "registration"

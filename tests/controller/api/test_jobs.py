@@ -117,6 +117,23 @@ def test_heartbeats_with_the_job_token_become_metrics(client, settings) -> None:
     assert bad.status_code == 422 and {e.split(":")[0] for e in bad.json()["errors"]} == {"body.step", "body.extra"}
 
 
+def test_a_dp_jobs_epsilon_is_in_its_record_and_its_metrics(client, settings) -> None:
+    job = submit(client)
+    worker = {"Authorization": f"Bearer {job_token(settings.secret.get_secret_value(), job['id'])}"}
+    plain = client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()
+    assert plain["privacy"] is None and plain["registration"] is None
+    for step, eps in ((5, 0.8), (10, 1.3)):
+        r = client.post(f"/v1/jobs/{job['id']}/heartbeat", headers=worker,
+                        json={"step": step, "loss": 1.0, "dp_epsilon": eps, "dp_delta": 1e-5, "dp_accountant": "prv"})
+        assert r.status_code == 200, r.text
+    detail = client.get(f"/v1/jobs/{job['id']}", headers=ADMIN).json()
+    assert detail["privacy"] == {"epsilon": 1.3, "delta": 1e-5, "accountant": "prv", "step": 10}
+    points = client.get(f"/v1/jobs/{job['id']}/metrics", headers=ADMIN).json()["points"]
+    assert [(p["step"], p["dp_epsilon"], p["dp_delta"]) for p in points] == [(5, 0.8, 1e-5), (10, 1.3, 1e-5)]
+    bad = client.post(f"/v1/jobs/{job['id']}/heartbeat", headers=worker, json={"step": 11, "dp_accountant": "gdp"})
+    assert bad.status_code == 422
+
+
 def _add_attempt(app, job_id: str, run_name: str) -> None:
     with app.state.sessions() as session:
         session.add(Attempt(job_id=job_id, number=0, backend="local", run_name=run_name, phase="RUNNING"))
