@@ -19,6 +19,10 @@ This backend runs user code on the controller's host. What keeps a job to itself
   `checkpoints/` (where `checkpoint.dir` resolves) and `status/` (the exit files); the script path
   resolves inside the project's code directory, symlinks included.
 
+A succeeded run's exported model (`spec.registerModel`) is handed to the registry from the job area
+(`exported_model`: `<checkpoint.dir>/export/`, its export.json and the file it names, every path resolved
+inside the area and opened without following links, since the job wrote them).
+
 Cancel sends SIGTERM to every node's process group and to every process whose environment carries
 `DEEPFLEET_LOCAL_RUN=<name>` (torchrun's elastic agent starts its training processes in new
 sessions, so a process group alone does not reach them), waits a grace period, then SIGKILLs what
