@@ -39,7 +39,7 @@ demo: install
 	$(PY) -m deepfleet.controller.demo $(if $(DEMO_EXIT),--exit)
 
 test: install
-	bash .ci/test.sh -n auto --dist loadfile $(PYTEST_ARGS)
+	bash .ci/test.sh -n auto --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # Both runs spread test files over one process per core (pytest-xdist; a file's tests stay together,
 # so module fixtures are built once). PYTEST_ARGS="-n 0" runs in one process.

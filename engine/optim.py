@@ -95,7 +95,8 @@ def _one_bit(groups: list[Any], config: OptimizerConfig) -> torch.optim.Optimize
                       factor_threshold=p.factor_threshold, **common)
 
 
-def _params_with_grad(group: dict) -> list[torch.Tensor]:
+def params_with_grad(group: dict) -> list[torch.Tensor]:
+    """The group's parameters that have a gradient this step; sparse gradients are refused."""
     params = [p for p in group["params"] if p.grad is not None]
     for p in params:
         if p.grad.is_sparse:
@@ -103,9 +104,12 @@ def _params_with_grad(group: dict) -> list[torch.Tensor]:
     return params
 
 
-def _check_hparams(lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+def check_hparams(lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 0.0) -> None:
+    """One error per bad hyperparameter, naming it (also used by the 1-bit optimizers)."""
     if lr < 0:
         raise ValueError(f"lr: must be >= 0, got {lr}")
+    if eps < 0:
+        raise ValueError(f"eps: must be >= 0, got {eps}")
     if not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas: each must be in [0, 1), got {betas}")
     if weight_decay < 0:
@@ -147,7 +151,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-        _check_hparams(lr, betas, weight_decay)
+        check_hparams(lr, betas, weight_decay)
         if eps < 0:
             raise ValueError(f"eps: must be >= 0, got {eps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -160,7 +164,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             by_step: dict[int, list[torch.Tensor]] = {}  # params that skipped a step have a lower count
-            for p in _params_with_grad(group):
+            for p in params_with_grad(group):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -194,7 +198,7 @@ class _ChunkedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = _params_with_grad(group)
+            params = params_with_grad(group)
             if not params:
                 continue
             for p in params:
@@ -224,7 +228,7 @@ class Lamb(_ChunkedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  eps_inside_sqrt: bool = False, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  foreach: bool = True) -> None:
-        _check_hparams(lr, betas, weight_decay)
+        check_hparams(lr, betas, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         eps_inside_sqrt=eps_inside_sqrt, max_coeff=max_coeff, min_coeff=min_coeff, foreach=foreach)
         super().__init__(params, defaults)
@@ -275,7 +279,7 @@ class Lion(_ChunkedOptimizer):
 
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0, foreach: bool = True) -> None:
-        _check_hparams(lr, betas, weight_decay)
+        check_hparams(lr, betas, weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=foreach))
 
     _state_keys = ("exp_avg",)
@@ -305,7 +309,7 @@ class Adam(_ChunkedOptimizer):
     def __init__(self, params: Iterable[Any], *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,
                  adam_w_mode: bool = True, foreach: bool = True) -> None:
-        _check_hparams(lr, betas, weight_decay)
+        check_hparams(lr, betas, weight_decay)
         if eps < 0:
             raise ValueError(f"eps: must be >= 0, got {eps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,

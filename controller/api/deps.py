@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from deepfleet.controller.db.auth import find_api_token
 from deepfleet.controller.db.jobs import get_job
 from deepfleet.controller.db.models import Job
+from deepfleet.controller.db.outage import is_connection_error
 from deepfleet.controller.settings import Settings
 
 ROLE_RANK = {"viewer": 0, "member": 1, "admin": 2}
@@ -50,9 +51,28 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessions() as session:
+    """The request's session. It is closed after the response has been sent, so a database that goes away
+    in between (the close rolls back on a dead connection) is reported as an outage, never raised: raising
+    there would cut the client's connection after its complete answer."""
+    session = request.app.state.sessions()
+    try:
         yield session
-    request.app.state.outage.recovered()  # reached only when the request's database work succeeded
+    except BaseException:
+        _close(request, session)
+        raise
+    if _close(request, session):
+        request.app.state.outage.recovered()  # reached only when the request's database work succeeded
+
+
+def _close(request: Request, session: Session) -> bool:
+    try:
+        session.close()
+    except Exception as exc:
+        if not is_connection_error(exc):
+            raise
+        request.app.state.outage.failed(exc)
+        return False
+    return True
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from deepfleet.engine.onebit.base import OneBitOptimizer, params_with_grad, scalar
+from deepfleet.engine.onebit.base import OneBitOptimizer, scalar
+from deepfleet.engine.optim import params_with_grad
 
 
 def _denominator(exp_avg_sq: torch.Tensor, *, correction: float, eps: float, inside: bool) -> torch.Tensor:

@@ -25,22 +25,16 @@ import torch.distributed as dist
 
 from deepfleet.engine import comm
 from deepfleet.engine.onebit.allreduce import ErrorFeedback
+from deepfleet.engine.optim import check_hparams
 
 log = logging.getLogger(__name__)
-
-
-def _check(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if lr < 0 or eps < 0 or weight_decay < 0:
-        raise ValueError(f"lr, eps, weight_decay: must be >= 0, got {lr}, {eps}, {weight_decay}")
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas: each must be in [0, 1), got {betas}")
 
 
 class OneBitOptimizer(torch.optim.Optimizer):
     """Base of the three: subclasses write `step()` and `_reduce_at(step)` and call `_compressed_mean`."""
 
     def __init__(self, params: Iterable[Any], defaults: dict) -> None:
-        _check(defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+        check_hparams(defaults["lr"], defaults["betas"], defaults["weight_decay"], defaults["eps"])
         super().__init__(params, defaults)
         self.group: dist.ProcessGroup | None = None
         self.steps = 0  # optimizer steps taken (also kept per parameter, as "step", for checkpoints)
@@ -110,14 +104,6 @@ class OneBitOptimizer(torch.optim.Optimizer):
             feedback.load_state_dict(saved_state)
             self._feedback[int(index)] = feedback
         return True
-
-
-def params_with_grad(group: dict) -> list[torch.Tensor]:
-    params = [p for p in group["params"] if p.grad is not None]
-    for p in params:
-        if p.grad.is_sparse:
-            raise RuntimeError("sparse gradients are not supported by the 1-bit optimizers; use dense embeddings")
-    return params
 
 
 def scalar(value: float) -> torch.Tensor:

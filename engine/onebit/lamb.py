@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from deepfleet.engine.onebit.base import OneBitOptimizer, params_with_grad, scalar
+from deepfleet.engine.onebit.base import OneBitOptimizer, scalar
+from deepfleet.engine.optim import params_with_grad
 
 
 class OneBitLamb(OneBitOptimizer):

@@ -90,24 +90,18 @@ class RingReduceScatter(ReduceScatter):
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(dist.get_world_size(group))
             return
-        ring_reduce_scatter(output_tensor, input_tensor, group=group, op=op)
+        self._reduce_scatter(output_tensor, input_tensor, group=group, op=op)
+
+    @staticmethod
+    def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, *, group: dist.ProcessGroup, op: object) -> None:
+        """The uncompressed reduction: the ring of sends."""
+        ring_reduce_scatter(output, tensor, group=group, op=op)
 
 
 class CompressedReduceScatter(RingReduceScatter):
     """The hook on backends other than gloo when a compression policy is installed: the policy's
     compressed reduce-scatter, else the backend's own `reduce_scatter_tensor`."""
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-        async_op: bool = False,
-    ) -> None:
-        if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and compressed_reduce_scatter(
-                output_tensor, input_tensor, group=group):
-            if op == dist.ReduceOp.AVG:
-                output_tensor.div_(dist.get_world_size(group))
-            return
-        reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+    @staticmethod
+    def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, *, group: dist.ProcessGroup, op: object) -> None:
+        reduce_scatter_tensor(output, tensor, op=op, group=group)

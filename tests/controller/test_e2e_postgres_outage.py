@@ -31,12 +31,13 @@ def _job(i: int) -> str:
 
 
 class Traffic(threading.Thread):
-    """Submits and lists jobs back to back; records every answer (time, call, status, headers, body)."""
+    """Submits and lists jobs back to back; records every answer (sent at, call, status, headers, body,
+    answered at), a transport error as status -1."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
         self.http = httpx.Client(base_url=url, headers=AUTH, timeout=30)
-        self.answers: list[tuple[float, str, int, dict, str]] = []
+        self.answers: list[tuple[float, str, int, dict, str, float]] = []
         self.acknowledged: list[str] = []
         self.stop = threading.Event()
 
@@ -48,8 +49,13 @@ class Traffic(threading.Thread):
                                    "Content-Type": "application/yaml"})),
                                ("list", lambda: self.http.get("/v1/jobs", params={"limit": 5})),
                                ("healthz", lambda: self.http.get("/healthz"))):
-                r = send()
-                self.answers.append((time.monotonic(), call, r.status_code, dict(r.headers), r.text))
+                sent = time.monotonic()
+                try:
+                    r = send()
+                except httpx.TransportError as exc:  # a cut connection is recorded (and fails the test)
+                    self.answers.append((sent, call, -1, {}, repr(exc), time.monotonic()))
+                    continue
+                self.answers.append((sent, call, r.status_code, dict(r.headers), r.text, time.monotonic()))
                 if call == "submit" and r.status_code == 201:
                     self.acknowledged.append(r.json()["id"])
             time.sleep(0.05)
@@ -73,20 +79,22 @@ def test_a_stopped_database_gives_503_json_one_log_line_and_loses_nothing(tmp_pa
             up_at = time.monotonic()
             deadline = up_at + 30
             while time.monotonic() < deadline and not any(
-                    t > up_at and call == "submit" and status == 201 for t, call, status, _, _ in traffic.answers):
+                    t > up_at and call == "submit" and status == 201 for t, call, status, *_ in traffic.answers):
                 time.sleep(0.1)
             time.sleep(1)
             traffic.stop.set()
             traffic.join(timeout=60)
 
-            during = [a for a in traffic.answers if down_at + 0.5 < a[0] < up_at]
+            during = [a for a in traffic.answers if down_at < a[0] and a[5] < up_at]  # sent and answered while down
             api = [a for a in during if a[1] != "healthz"]
+            cut = [a for a in traffic.answers if a[2] == -1]
+            assert not cut, f"the server cut a connection: {cut}"
             assert len(api) >= 4, traffic.answers[-10:]
-            for _, call, status, headers, body in api:
+            for _, call, status, headers, body, _ in api:
                 assert status == 503, (call, status, body)
                 assert headers["content-type"] == "application/json" and headers["retry-after"] == "5"
                 assert body.startswith('{"detail":"database unavailable"') and "Traceback" not in body
-            assert {status for _, call, status, _, _ in during if call == "healthz"} == {200}
+            assert {status for _, call, status, *_ in during if call == "healthz"} == {200}
             assert not [a for a in traffic.answers if a[2] >= 500 and a[2] != 503], "a 5xx other than 503"
             recovered = [a for a in traffic.answers if a[0] > up_at and a[1] == "submit" and a[2] == 201]
             assert recovered, "no submit succeeded after the database came back"

@@ -10,9 +10,11 @@ import logging
 
 import httpx
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from deepfleet.controller.api.load import RequestGate
 from deepfleet.controller.app import create_app
+from deepfleet.controller.db.outage import Outage
 from deepfleet.controller.settings import Settings
 from tests.controller.api.helpers import job_yaml, token, yaml_headers
 from tests.controller.conftest import ADMIN_TOKEN, TestClient
@@ -86,3 +88,22 @@ def test_values_postgres_cannot_store_are_422(client, app) -> None:
     labels = "&".join(f"label=k{i}%3Dv" for i in range(17))
     r = client.get(f"/v1/jobs?{labels}", headers=member)
     assert r.status_code == 422 and len(r.content) < 2048
+
+
+def test_a_flapping_database_is_one_outage_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    # a fast shutdown ends sessions one by one, so some requests still succeed between the failures
+    now = [0.0]
+    outage = Outage(settle_s=1.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="deepfleet.controller.db")
+    lost = OperationalError("SELECT 1", {}, Exception("terminating connection due to administrator command"))
+    for t, ok in [(0.0, False), (0.1, True), (0.2, False), (0.5, True), (1.4, False), (3.0, False),
+                  (5.0, True), (5.5, True)]:
+        now[0] = t
+        outage.recovered() if ok else outage.failed(lost)
+        assert outage.since == 0.0, t  # one outage from the first failure on
+    now[0] = 6.0
+    outage.recovered()  # answering since 5.0, for the settle time: over
+    assert outage.since is None
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert sum("database unavailable" in m for m in messages) == 1
+    assert [m for m in messages if "reachable again" in m] == ["database reachable again after 6.0 s"]
