@@ -172,7 +172,11 @@ def register_model(path: str | Path, *, name: str, tracking_uri: str | None = No
     """Log `path` as an artifact of a new run and register it as a version of model `name`, tagged with
     its job id and provenance head (and `tags`). `tracking_uri` default: a local store under `store_dir`.
     `once`: a version of `name` already tagged with this job id is returned instead of adding another."""
-    from mlflow import MlflowClient
+    try:
+        from mlflow import MlflowClient
+    except ImportError:
+        raise RegistryError("MLflow is not installed here; install the monitor extra "
+                            "(pip install 'deepfleet[monitor]')") from None
 
     path = Path(path)
     meta = model_provenance(path)
