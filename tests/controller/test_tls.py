@@ -88,9 +88,15 @@ def test_a_real_worker_heartbeats_over_tls_and_refuses_a_wrong_ca(tmp_path: Path
     data = tmp_path / "data"
     c = Controller(f"sqlite:///{tmp_path / 'db.sqlite'}", data, workdir=ROOT, tls=(cert, key),
                    heartbeat_interval=0.5)
+    monkeypatch.setenv("DEEPFLEET_URL", c.url)
+    monkeypatch.setenv("DEEPFLEET_API_TOKEN", ADMIN_TOKEN)
+    monkeypatch.setenv("DEEPFLEET_CA_BUNDLE", str(cert))
     try:
-        trusted = c.client.submit(json.dumps(tiny_gpt_job("tls-ok", steps=3, env={"DEEPFLEET_CA_BUNDLE": str(cert)})),
-                                  content_type="application/json")
+        job_file = tmp_path / "tls-ok.yaml"  # submitted with the CLI, over TLS
+        job_file.write_text(json.dumps(tiny_gpt_job("tls-ok", steps=3, env={"DEEPFLEET_CA_BUNDLE": str(cert)})))
+        submitted = CliRunner().invoke(app, ["submit", str(job_file)])
+        assert submitted.exit_code == 0, submitted.output
+        trusted = {"id": submitted.output.split(" as ")[1].split()[0]}
         refused = c.client.submit(json.dumps(tiny_gpt_job("tls-wrong", steps=3,
                                                           env={"DEEPFLEET_CA_BUNDLE": str(wrong)})),
                                   content_type="application/json")
@@ -101,9 +107,6 @@ def test_a_real_worker_heartbeats_over_tls_and_refuses_a_wrong_ca(tmp_path: Path
         beats = c.client.metrics(trusted["id"])
         assert beats and beats[-1]["step"] == 3 and beats[-1]["loss"] is not None
         assert "CERTIFICATE_VERIFY_FAILED" not in c.client.logs(trusted["id"])
-        monkeypatch.setenv("DEEPFLEET_URL", c.url)
-        monkeypatch.setenv("DEEPFLEET_API_TOKEN", ADMIN_TOKEN)
-        monkeypatch.setenv("DEEPFLEET_CA_BUNDLE", str(cert))
         shown = CliRunner().invoke(app, ["get", trusted["id"]])
         assert shown.exit_code == 0, shown.output
         view = json.loads(shown.output)
