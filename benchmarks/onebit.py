@@ -9,7 +9,8 @@ runs are interleaved over `--repeats` rounds and medians are taken. The 1-bit op
 steps; the timed steps are the ones after. Bytes per step are `StepMetrics.comm_bytes` (what
 `engine/comm.py` counted this rank putting on the wire).
 
-The limited link is a loopback shaped by `tc` (token bucket at `--rate`, 1 ms latency) inside a network
+The limited link is a loopback shaped by `tc` (a token bucket at `--rate` whose queue holds 50 ms of
+traffic, so bulk transfers queue instead of being dropped and retransmitted) inside a network
 namespace this script creates with `ip netns` and deletes afterwards; it needs root (CAP_NET_ADMIN). Without
 it, the shaped runs are reported as one JSON line with the reason and the rest still runs.
 
@@ -87,7 +88,7 @@ def _netns(rate: str) -> tuple[str | None, str]:
     name = f"deepfleet-bench-{os.getpid()}"
     steps = [["ip", "netns", "add", name], ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
              ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-              "burst", "256kb", "latency", "1ms"]]
+              "burst", "256kb", "latency", "50ms"]]
     for cmd in steps:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:

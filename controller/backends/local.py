@@ -74,6 +74,7 @@ RUN_ENV = "DEEPFLEET_LOCAL_RUN"
 # Runs the worker, then records its exit status (128+N for a signal, as the shell reports it).
 _WRAPPER = 'rc=0; "$@" || rc=$?; printf "%s" "$rc" > "$DF_EXIT_FILE.tmp"; mv "$DF_EXIT_FILE.tmp" "$DF_EXIT_FILE"; exit $rc'
 _SIGKILLED = 128 + signal.SIGKILL
+KILL_WAIT_S = 15.0  # how long cancel waits for SIGKILLed processes to be gone
 # The controller's variables a Python process needs to start; nothing else of its environment passes.
 DEFAULT_PASSTHROUGH = ("PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS")
 
@@ -465,6 +466,15 @@ class LocalBackend:
         left = targets()
         if left:
             self._signal(state.get("pids", []), left, signal.SIGKILL)
+            # A killed process stays listed until the kernel has torn it down, which on a busy host takes
+            # a while, and one started in the meantime (a restarting agent's) is killed too: cancel returns
+            # once none is left, so CANCELLED means nothing of the run still runs.
+            deadline = self._clock() + KILL_WAIT_S
+            while (left := targets()) and self._clock() < deadline:
+                self._sleep(0.05)
+                self._signal([], left, signal.SIGKILL)
+                for pid in state.get("pids", []):
+                    self._reap(pid)
         for pid in state.get("pids", []):
             proc = self._children.pop(pid, None)
             if proc is not None:
