@@ -115,12 +115,12 @@ def test_an_unreachable_registry_is_retried_with_backoff_then_given_up(tmp_path:
     rec = reconciler(sessions, tmp_path, registry=_registry(tmp_path, "http://127.0.0.1:9"))
     job_id = insert_job(sessions, _doc("down"))
     drive(rec, sessions, job_id, {"SUCCEEDED", "FAILED"})  # its last pass made the first try
-    now = datetime.now(timezone.utc)
-    first = _register(rec, sessions, job_id, now + timedelta(seconds=5))  # backing off: no second try yet
+    first = job(sessions, job_id)
     assert first.registration_state == "pending" and first.registration["tries"] == 1
-    assert now < datetime.fromisoformat(first.registration["retry_at"]) <= now + timedelta(seconds=10)
-    for tries, wait in ((2, 10), (3, 30), (4, 70), (5, 150)):
-        current = _register(rec, sessions, job_id, now + timedelta(seconds=wait))
+    t0 = datetime.fromisoformat(first.registration["retry_at"]) - timedelta(seconds=10)  # when it was made
+    assert _register(rec, sessions, job_id, t0 + timedelta(seconds=9)).registration["tries"] == 1  # backing off
+    for tries, wait in ((2, 10), (3, 30), (4, 70), (5, 150)):  # 10 s, doubling
+        current = _register(rec, sessions, job_id, t0 + timedelta(seconds=wait))
         assert current.registration["tries"] == tries
     assert current.registration_state == "failed" and current.phase == "SUCCEEDED"
     assert "127.0.0.1:9" in current.registration["error"]
