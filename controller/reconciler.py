@@ -43,6 +43,7 @@ from deepfleet.controller.backends.base import Backend, BackendError, Observatio
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.confine import code_dir_for
 from deepfleet.controller.db import provenance as chain
+from deepfleet.controller.db.jobs import claim_free, claim_jobs, record_event
 from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
 from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
@@ -147,32 +148,16 @@ class Reconciler:
         return (
             Job.backend == self.config.backend_name,
             or_(Job.phase.in_(CLAIMABLE), (Job.desired_state == "cancel_requested") & (Job.phase == Phase.PENDING.value)),
-            or_(Job.claimed_by.is_(None), Job.claimed_by == me, Job.claim_expires_at < now),
+            claim_free(me, now),
         )
 
     def _claim(self, now: datetime) -> list[str]:
         """Claim up to `batch` active jobs for this replica; returns their ids (oldest first)."""
-        me, until = self.config.replica_id, now + timedelta(seconds=self.config.lease_seconds)
         backend_clause, phase_clause, free_clause = self._claimable(now)
-        with self.sessions() as s, s.begin():
-            query = select(Job.id).where(backend_clause, phase_clause, free_clause).order_by(Job.created_at, Job.id).limit(
-                self.config.batch
-            )
-            if s.get_bind().dialect.name == "postgresql":
-                query = query.with_for_update(skip_locked=True)
-            candidates = list(s.scalars(query))
-            claimed = []
-            for job_id in candidates:
-                # Compare-and-set: only succeeds if nobody else claimed it since we looked.
-                result = s.execute(
-                    update(Job)
-                    .where(Job.id == job_id, free_clause)
-                    .values(claimed_by=me, claim_expires_at=until)
-                    .execution_options(synchronize_session=False)
-                )
-                if result.rowcount == 1:
-                    claimed.append(job_id)
-        return claimed
+        return claim_jobs(self.sessions, where=(backend_clause, phase_clause, free_clause), recheck=(free_clause,),
+                          order_by=(Job.created_at, Job.id), limit=self.config.batch,
+                          replica_id=self.config.replica_id,
+                          until=now + timedelta(seconds=self.config.lease_seconds), skip_locked=True)
 
     # ------------------------------------------------------------------ admission
     def _admit(self, now: datetime) -> None:
@@ -390,8 +375,8 @@ def _record_observation(attempt: Attempt, observed: Observation, now: datetime) 
 
 def _event(s: Session, job: Job, reason: str, message: str, now: datetime, *, actor: str,
            data: dict | None = None) -> None:
-    s.add(Event(job_id=job.id, time=now, actor=actor, type=reason, message=message, attempt=job.current_attempt,
-                data=data))
+    record_event(s, job.id, actor=actor, type=reason, message=message, attempt=job.current_attempt, data=data,
+                 time=now)
 
 
 def append_attempt_record(s: Session, job: Job, attempt: Attempt, now: datetime, *, workdir: str | None) -> None:

@@ -20,12 +20,12 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from deepfleet.controller.backends.base import Backend, ModelSource
 from deepfleet.controller.db import provenance as chain
-from deepfleet.controller.db.models import Event, Job
+from deepfleet.controller.db.jobs import claim_free, claim_jobs, record_event
+from deepfleet.controller.db.models import Job
 from deepfleet.controller.db.outage import is_connection_error
 from deepfleet.controller.registry import ModelRegistry, Registered, RegistrationRequest, RegistryError
 from deepfleet.controller.spec import stored_spec
@@ -76,20 +76,11 @@ class Registrar:
                 log.exception("job %s: registration failed", job_id)
 
     def _claim(self, now: datetime) -> list[str]:
-        free = or_(Job.claimed_by.is_(None), Job.claimed_by == self.replica_id, Job.claim_expires_at < now)
+        free = claim_free(self.replica_id, now)
         mine = (Job.backend == self.backend.name, Job.registration_state == PENDING, Job.phase == "SUCCEEDED")
-        until = now + timedelta(seconds=self.lease_seconds)
-        with self.sessions() as s, s.begin():
-            candidates = list(s.scalars(select(Job.id).where(*mine, free).order_by(Job.finished_at, Job.id)
-                                        .limit(self.batch)))
-            claimed = []
-            for job_id in candidates:
-                result = s.execute(update(Job).where(Job.id == job_id, *mine, free)
-                                   .values(claimed_by=self.replica_id, claim_expires_at=until)
-                                   .execution_options(synchronize_session=False))
-                if result.rowcount == 1:
-                    claimed.append(job_id)
-        return claimed
+        return claim_jobs(self.sessions, where=(*mine, free), recheck=(*mine, free),
+                          order_by=(Job.finished_at, Job.id), limit=self.batch, replica_id=self.replica_id,
+                          until=now + timedelta(seconds=self.lease_seconds))
 
     def _register(self, job_id: str, now: datetime) -> None:
         with self.sessions() as s:
@@ -175,4 +166,4 @@ class Registrar:
 
 
 def _event(s: Session, job: Job, reason: str, message: str, now: datetime, *, actor: str) -> None:
-    s.add(Event(job_id=job.id, time=now, actor=actor, type=reason, message=message, attempt=job.current_attempt))
+    record_event(s, job.id, actor=actor, type=reason, message=message, attempt=job.current_attempt, time=now)

@@ -1,7 +1,7 @@
 """Recording intent in the database: submit a job, request a cancel, store heartbeats, write events.
 
 Called by the API routers (one call per request, inside the request's session) and usable by the
-reconciler for its own events (`record_event`). Every state change writes an `Event` with who and
+reconciler for its own events (`record_event`) and its claims (`claim_jobs`). Every state change writes an `Event` with who and
 when, in the same transaction as the change. Nothing here calls a backend (nor imports one: the
 API's import contract covers indirect imports too).
 """
@@ -9,12 +9,13 @@ API's import contract covers indirect imports too).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, and_, exists, func, or_, select
-from sqlalchemy.orm import Session, defer
+from sqlalchemy import ColumnElement, Select, and_, exists, func, or_, select, update
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from deepfleet.controller import provenance as prov
 from deepfleet.controller.db import provenance as chain
@@ -56,6 +57,32 @@ def record_event(
                   time=time or utcnow())
     session.add(event)
     return event
+
+
+def claim_free(replica_id: str, now: datetime) -> ColumnElement[bool]:
+    """A job no replica holds, or this one, or whose claim has expired."""
+    return or_(Job.claimed_by.is_(None), Job.claimed_by == replica_id, Job.claim_expires_at < now)
+
+
+def claim_jobs(sessions: sessionmaker[Session], *, where: Sequence[ColumnElement[bool]],
+               recheck: Sequence[ColumnElement[bool]], order_by: Sequence[Any], limit: int, replica_id: str,
+               until: datetime, skip_locked: bool = False) -> list[str]:
+    """Claim up to `limit` jobs matching `where` (first by `order_by`) for `replica_id` until `until`; returns
+    their ids. Each claim is a compare-and-set on `recheck`, so a job another replica claimed since the select
+    is passed over. `skip_locked`: on PostgreSQL the select skips rows other transactions hold (SELECT ... FOR
+    UPDATE SKIP LOCKED). The claims of the reconciler and of model registration (`controller.registration`)."""
+    with sessions() as s, s.begin():
+        query = select(Job.id).where(*where).order_by(*order_by).limit(limit)
+        if skip_locked and s.get_bind().dialect.name == "postgresql":
+            query = query.with_for_update(skip_locked=True)
+        claimed = []
+        for job_id in list(s.scalars(query)):
+            result = s.execute(update(Job).where(Job.id == job_id, *recheck)
+                               .values(claimed_by=replica_id, claim_expires_at=until)
+                               .execution_options(synchronize_session=False))
+            if result.rowcount == 1:
+                claimed.append(job_id)
+    return claimed
 
 
 def ensure_project(session: Session, name: str) -> Project:
