@@ -3,7 +3,7 @@ keys and defaults; the schedules themselves are `deepfleet.engine.curriculum`. T
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -56,23 +56,28 @@ class CurriculumLearningConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _complete(self) -> CurriculumLearningConfig:
-        if not self.enabled:
-            return self
-        missing = [k for k in ("min_difficulty", "max_difficulty", "schedule_type") if getattr(self, k) is None]
-        needs = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
-                 "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
-                 "fixed_discrete": ("difficulty", "max_step"), "custom": ()}
-        missing += [f"schedule_config.{k}" for k in needs.get(self.schedule_type or "custom", ())
-                    if getattr(self.schedule_config, k) is None]
-        if missing:
-            raise ValueError(f"enabled needs {', '.join(missing)}; add them")
-        sc = self.schedule_config
-        if self.schedule_type == "fixed_discrete" and len(sc.difficulty) != len(sc.max_step) + 1:
-            raise ValueError("schedule_config.difficulty: needs one more entry than schedule_config.max_step "
-                             "(the last difficulty holds after the last max_step)")
-        if self.min_difficulty > self.max_difficulty:
-            raise ValueError(f"min_difficulty: {self.min_difficulty} is above max_difficulty {self.max_difficulty}")
+        if self.enabled:
+            check_schedule(self)
         return self
+
+
+def check_schedule(section: Any) -> None:
+    """The keys a curriculum schedule needs (`min_difficulty`, `max_difficulty`, `schedule_type` and the
+    type's `schedule_config` entries) are present and consistent; ValueError names the missing ones."""
+    missing = [k for k in ("min_difficulty", "max_difficulty", "schedule_type") if getattr(section, k) is None]
+    needs = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
+             "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
+             "fixed_discrete": ("difficulty", "max_step"), "custom": ()}
+    missing += [f"schedule_config.{k}" for k in needs.get(section.schedule_type or "custom", ())
+                if getattr(section.schedule_config, k) is None]
+    if missing:
+        raise ValueError(f"enabled needs {', '.join(missing)}; add them")
+    sc = section.schedule_config
+    if section.schedule_type == "fixed_discrete" and len(sc.difficulty) != len(sc.max_step) + 1:
+        raise ValueError("schedule_config.difficulty: needs one more entry than schedule_config.max_step "
+                         "(the last difficulty holds after the last max_step)")
+    if section.min_difficulty > section.max_difficulty:
+        raise ValueError(f"min_difficulty: {section.min_difficulty} is above max_difficulty {section.max_difficulty}")
 
 
 class EigenvalueConfig(ConfigSection):

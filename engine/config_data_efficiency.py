@@ -1,7 +1,8 @@
 """The `data_efficiency` section with DeepSpeed's keys and defaults: `data_routing.random_ltd` (random
-layerwise token dropping, `deepfleet.engine.data_routing`). Its other half, `data_sampling` (curriculum
-sampling from an offline data-analyzer index), and random-LTD's `layer_token_lr_schedule` (refused by
-DeepSpeed itself) are accepted only disabled (`config_keys.NOT_SUPPORTED`). Torch-free."""
+layerwise token dropping, `deepfleet.engine.data_routing`) and `data_sampling.curriculum_learning`
+(curriculum sampling from an offline data-analyzer index, `deepfleet.engine.data_sampling`).
+`data_sampling.dynamic_batching` and random-LTD's `layer_token_lr_schedule` (refused by DeepSpeed itself)
+are accepted only disabled (`config_keys.NOT_SUPPORTED`). Torch-free."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigSection, Int
+from deepfleet.engine.config_curriculum import CurriculumScheduleConfig, check_schedule
 
 
 class RandomLTDScheduleParams(ConfigSection):
@@ -82,8 +84,81 @@ class DataRoutingConfig(ConfigSection):
     """Random layerwise token dropping."""
 
 
+class CurriculumMetricConfig(ConfigSection):
+    """One entry of `curriculum_learning.curriculum_metrics`: a per-sample metric from the data analyzer
+    and how its allowed difficulty grows with the optimizer step."""
+
+    index_to_sample_path: str | None = None
+    """Prefix (without .bin/.idx) of the analyzer's `<metric>_index_to_sample` file: one row of sample
+    indices per metric value, in ascending value order. Not needed with `clustering_type: single_cluster`."""
+    index_to_metric_path: str | None = None
+    """Prefix of the analyzer's `<metric>_index_to_metric` file: the value of each row above (value-based
+    difficulty only)."""
+    difficulty_type: Literal["value", "percentile"] = "value"
+    """value: samples whose metric is at most the difficulty; percentile: the easiest `difficulty` percent."""
+    clustering_type: Literal["schedule_based", "single_cluster"] = "schedule_based"
+    """schedule_based: the metric gates samples; single_cluster: it does not (every sample is eligible)."""
+    min_difficulty: Int | None = None
+    """The first difficulty (a metric value, or a percentile in 1..100)."""
+    max_difficulty: Int | None = None
+    """The last difficulty."""
+    schedule_type: Literal["fixed_linear", "fixed_root", "fixed_discrete", "custom"] | None = None
+    """How the difficulty grows with the optimizer step ("custom": `engine.set_custom_curriculum_learning_schedule`)."""
+    schedule_config: CurriculumScheduleConfig = Field(default_factory=CurriculumScheduleConfig)
+    """The schedule's parameters."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> CurriculumMetricConfig:
+        check_schedule(self)
+        if self.clustering_type == "schedule_based":
+            needed = ["index_to_sample_path"] + (["index_to_metric_path"] if self.difficulty_type == "value" else [])
+            missing = [k for k in needed if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"{', '.join(missing)}: required for clustering_type schedule_based; give the "
+                                 "data analyzer's file prefix (or set clustering_type: single_cluster)")
+        if self.difficulty_type == "percentile" and not 1 <= self.min_difficulty <= self.max_difficulty <= 100:
+            raise ValueError(f"min_difficulty/max_difficulty: percentiles must lie in 1..100, got "
+                             f"{self.min_difficulty}..{self.max_difficulty}")
+        return self
+
+
+class DataCurriculumConfig(ConfigSection):
+    """`data_sampling.curriculum_learning`: each global batch is drawn from the samples that every
+    schedule-based metric allows at the current step (`deepfleet.engine.data_sampling`)."""
+
+    enabled: Bool = False
+    """Sample by curriculum (needs `data_efficiency.enabled` and `data_sampling.enabled` too)."""
+    data_cluster_path: str | None = None
+    """Folder where rank 0 writes each difficulty cluster's shuffled sample indices as an index file."""
+    curriculum_metrics: dict[str, CurriculumMetricConfig] = Field(default_factory=dict)
+    """The metrics, by name."""
+
+    @model_validator(mode="after")
+    def _metrics(self) -> DataCurriculumConfig:
+        if self.enabled and not self.curriculum_metrics:
+            raise ValueError("curriculum_metrics: enabled needs at least one metric; add one or disable it")
+        if self.enabled and self.data_cluster_path is None:
+            raise ValueError("data_cluster_path: required when enabled; give a writable folder for the clusters")
+        return self
+
+
+class DataSamplingConfig(ConfigSection):
+    """`data_efficiency.data_sampling`."""
+
+    enabled: Bool = False
+    """Sampling switch: the curriculum acts only when this and `data_efficiency.enabled` are true."""
+    num_epochs: Int = Field(1000, gt=0)
+    """Passes over the dataset the sampler may draw (its length: dataset size x num_epochs)."""
+    num_workers: Int = Field(0, ge=0)
+    """Data-loader worker processes of the curriculum loader."""
+    pin_memory: Bool = False
+    """Pin the curriculum loader's batches (an accelerator only)."""
+    curriculum_learning: DataCurriculumConfig = Field(default_factory=DataCurriculumConfig)
+    """The data-analyzer curriculum."""
+
+
 class DataEfficiencyConfig(ConfigSection):
-    """`data_efficiency`: DeepSpeed's data-efficiency library (here: random-LTD)."""
+    """`data_efficiency`: DeepSpeed's data-efficiency library: random-LTD and curriculum data sampling."""
 
     enabled: Bool = False
     """Master switch: nothing below acts unless this is true."""
@@ -91,6 +166,15 @@ class DataEfficiencyConfig(ConfigSection):
     """Seed of the token sampling (per rank: seed + rank)."""
     data_routing: DataRoutingConfig = Field(default_factory=DataRoutingConfig)
     """Data routing: random-LTD."""
+    data_sampling: DataSamplingConfig = Field(default_factory=DataSamplingConfig)
+    """Data sampling: the data-analyzer curriculum."""
+
+    def data_curriculum(self) -> DataCurriculumConfig | None:
+        """The data-sampling curriculum when every switch above it is on, else None."""
+        sampling = self.data_sampling
+        if self.enabled and sampling.enabled and sampling.curriculum_learning.enabled:
+            return sampling.curriculum_learning
+        return None
 
     def random_ltd(self) -> RandomLTDConfig | None:
         """The random-LTD section when every switch above it is on, else None."""

@@ -69,8 +69,8 @@ _OFF = Unsupported(_disabled, 'drop the section or set "enabled": false')
 # Dotted DeepSpeed keys that this engine does not implement yet.
 NOT_SUPPORTED: dict[str, Unsupported] = {
     # top-level features
-    # the data-analyzer curriculum (the sequence-length curriculum is the top-level curriculum_learning)
-    "data_efficiency.data_sampling": _OFF,
+    # dynamic batching by token budget, with its learning-rate scaling
+    "data_efficiency.data_sampling.dynamic_batching": _OFF,
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": _OFF,  # DeepSpeed refuses it too
     "amp": _OFF,
     "elasticity": _OFF,
@@ -170,6 +170,14 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
+def _dict_entry_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model of a `dict[str, Section]` field's values, else None."""
+    if typing.get_origin(annotation) is dict:
+        models = _models_in(typing.get_args(annotation)[1])
+        return models[0] if len(models) == 1 else None
+    return None
+
+
 def section_model(annotation: Any, value: Any) -> type[BaseModel] | None:
     """The model a nested dict validates against; for a union on `type`, the variant `value` names."""
     models = _models_in(annotation)
@@ -199,6 +207,11 @@ def check_keys(data: dict, model: type[BaseModel], *, path: str, errors: list[st
             sub = section_model(accepted[key], value)
             if sub is not None and isinstance(value, dict):
                 check_keys(value, sub, path=dotted + ".", errors=errors)
+            entry = _dict_entry_model(accepted[key])
+            if entry is not None and isinstance(value, dict):  # a named map of sections (curriculum_metrics)
+                for name, item in value.items():
+                    if isinstance(item, dict):
+                        check_keys(item, entry, path=f"{dotted}.{name}.", errors=errors)
             continue
         del data[key]
         rule = NOT_SUPPORTED.get(dotted)

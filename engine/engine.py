@@ -32,6 +32,7 @@ from deepfleet.engine.compat import zero as compat_zero
 from deepfleet.engine.compat.args import config_from_args
 from deepfleet.engine.compat.engine_members import DeepSpeedEngineMembers
 from deepfleet.engine.curriculum import ModelSchedules
+from deepfleet.engine.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.eigenvalue import Eigenvalue
@@ -55,7 +56,7 @@ class DeepFleetEngine(DeepSpeedEngineMembers, nn.Module):
         config: Any,
         training: Training,
         parallel: ParallelDims,
-        training_dataloader: TrainingDataLoader | None = None,
+        training_dataloader: TrainingDataLoader | CurriculumDataLoader | None = None,
         clock: Callable[[], float] = time.perf_counter,
         privacy: DPSGD | None = None,
     ) -> None:
@@ -394,7 +395,7 @@ def initialize(
     collate_fn: Any = None,
     config: Any = None,
     config_params: Any = None,
-) -> tuple[DeepFleetEngine, torch.optim.Optimizer, TrainingDataLoader | None, Any]:
+) -> tuple[DeepFleetEngine, torch.optim.Optimizer, TrainingDataLoader | CurriculumDataLoader | None, Any]:
     """Build the engine: `(engine, optimizer, training_dataloader, lr_scheduler)`, as DeepSpeed returns.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a dict, a JSON/YAML path or a JSON
@@ -434,7 +435,10 @@ def initialize(
         process_group=parallel.grad_group,  # dp, and sp ranks when sequence parallel
     )
     loader = None
-    if training_data is not None:
+    if training_data is not None and cfg.data_efficiency.data_curriculum() is not None:
+        loader = build_curriculum_loader(training_data, cfg, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+                                         global_rank=rank, collate_fn=collate_fn)
+    elif training_data is not None:
         loader = build_dataloader(
             training_data,
             micro_batch_size=cfg.train_micro_batch_size_per_gpu,

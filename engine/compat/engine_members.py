@@ -140,12 +140,42 @@ class DeepSpeedEngineMembers:
         return self.model_schedules.curriculum is not None
 
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
-        """DeepSpeed passes `{metric: fn}` for its data-efficiency curriculum and a plain function for the
-        legacy one; either sets the legacy scheduler's custom difficulty function."""
+        """`{metric: fn(step) -> difficulty}` for the data-sampling curriculum's custom metrics; for the legacy
+        curriculum, a plain function (or a one-entry dict) sets its custom difficulty function."""
+        loader = self.training_dataloader
+        if self.curriculum_learning_enabled() and loader is not None and hasattr(loader, "data_sampler"):
+            if not isinstance(schedule_func_dict, dict):
+                raise ValueError("set_custom_curriculum_learning_schedule: give {metric_name: function} for "
+                                 "data_efficiency.data_sampling.curriculum_learning")
+            loader.data_sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
+            return
         fn = next(iter(schedule_func_dict.values())) if isinstance(schedule_func_dict, dict) else schedule_func_dict
         if self.model_schedules.curriculum is None:
-            raise ValueError("curriculum_learning: not enabled; set curriculum_learning.enabled and schedule_type custom")
+            raise ValueError("curriculum_learning: not enabled; set curriculum_learning.enabled and schedule_type custom "
+                             "(or data_efficiency.data_sampling.curriculum_learning with training_data)")
         self.model_schedules.curriculum.set_custom_get_difficulty(fn)
+
+    # the data-sampling curriculum (engine/data_sampling.py), DeepSpeed's accessors
+    def data_sampling_enabled(self) -> bool:
+        de = self.config.data_efficiency
+        return bool(de.enabled and de.data_sampling.enabled)
+
+    def data_sampling_config(self) -> Any:
+        return self.config.data_efficiency.data_sampling
+
+    def curriculum_learning_enabled(self) -> bool:
+        return self.config.data_efficiency.data_curriculum() is not None
+
+    def curriculum_learning_config(self) -> Any:
+        return self.config.data_efficiency.data_sampling.curriculum_learning
+
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """Called as `fn(batch, sampler_state)` on each batch of the curriculum loader (DeepSpeed's hook)."""
+        loader = self.training_dataloader
+        if loader is None or not hasattr(loader, "post_process_func"):
+            raise ValueError("set_data_post_process_func: needs the curriculum loader; enable "
+                             "data_efficiency.data_sampling.curriculum_learning and pass training_data to initialize")
+        loader.post_process_func = post_process_func
 
     @property
     def tput_timer(self) -> ThroughputTimer:

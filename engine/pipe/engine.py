@@ -39,6 +39,7 @@ from deepfleet.engine.compat import groups as compat_groups
 from deepfleet.engine.config import ConfigError, DeepFleetConfig
 from deepfleet.engine.config_pipeline import SCHEDULE_CHUNKS
 from deepfleet.engine.config_source import read_source
+from deepfleet.engine.data_sampling import build_curriculum_loader
 from deepfleet.engine.dataloader import build_dataloader
 from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.engine import DeepFleetEngine, _config_and_degrees
@@ -298,7 +299,10 @@ def initialize_pipeline(
                               lr_scheduler=lr_scheduler, process_group=parallel.grad_group,
                               strategy=ReplicatedStrategy if cfg.zero_optimization.stage == 0 else None)
     loader = None
-    if training_data is not None:
+    if training_data is not None and cfg.data_efficiency.data_curriculum() is not None:
+        loader = build_curriculum_loader(training_data, cfg, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+                                         global_rank=rank, collate_fn=collate_fn)
+    elif training_data is not None:
         loader = build_dataloader(training_data, micro_batch_size=cfg.train_micro_batch_size_per_gpu,
                                   num_replicas=parallel.dp_size, rank=parallel.dp_rank, seed=cfg.seed,
                                   collate_fn=collate_fn)

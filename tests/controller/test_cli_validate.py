@@ -219,6 +219,30 @@ GPT_RANDOM_LTD = {  # DeepSpeed's data-efficiency GPT recipe shape: random-LTD o
                                     "schedule_config": {"require_steps": 200000, "seq_per_step": 16}}}}},
     "eigenvalue": {"enabled": True, "max_iter": 50, "tol": 1e-2, "layer_name": "transformer.h", "layer_num": 24},
 }
+GPT_DATA_CURRICULUM = {  # DeepSpeed's data-efficiency GPT recipe shape: curriculum on seqlen and vocab rarity
+    "train_batch_size": 256, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+    "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "fp16": {"enabled": False},
+    "data_efficiency": {
+        "enabled": True, "seed": 1234,
+        "data_sampling": {
+            "enabled": True, "num_epochs": 1, "num_workers": 0,
+            "curriculum_learning": {
+                "enabled": True, "data_cluster_path": "/data/gpt/curriculum_clusters",
+                "curriculum_metrics": {
+                    "vocabularyrarity": {
+                        "index_to_sample_path": "/data/gpt/analysis/vocabularyrarity/vocabularyrarity_index_to_sample_percentile_merged",
+                        "index_to_metric_path": "/data/gpt/analysis/vocabularyrarity/vocabularyrarity_index_to_metric",
+                        "difficulty_type": "percentile", "clustering_type": "schedule_based",
+                        "min_difficulty": 1, "max_difficulty": 100, "schedule_type": "fixed_root",
+                        "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 1, "root_degree": 2}},
+                    "seqlen_truncate": {
+                        "index_to_sample_path": "/data/gpt/analysis/seqlen/seqlen_index_to_sample",
+                        "index_to_metric_path": "/data/gpt/analysis/seqlen/seqlen_index_to_metric",
+                        "difficulty_type": "value", "clustering_type": "single_cluster",
+                        "min_difficulty": 80, "max_difficulty": 2048, "schedule_type": "fixed_linear",
+                        "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 8}}}}},
+        "data_routing": {"enabled": False}},
+}
 BOOLEAN_ZERO = {"train_batch_size": 16, "zero_optimization": False, "fp16": {"enabled": False},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 YAML_ONECYCLE = """\
@@ -266,6 +290,9 @@ REAL = [
     ("gpt-random-ltd-eigenvalue", "ds.json", GPT_RANDOM_LTD, ["--world-size", "8"],
      {"gradient_accumulation_steps": 8, "data_efficiency.data_routing.random_ltd.random_ltd_layer_num": 22,
       "eigenvalue.layer_name": "transformer.h"}),
+    ("gpt-data-efficiency-curriculum", "ds.json", GPT_DATA_CURRICULUM, ["--world-size", "16"],
+     {"gradient_accumulation_steps": 4,
+      "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.seqlen_truncate.max_difficulty": 2048}),
     ("boolean-zero-optimization", "ds.json", BOOLEAN_ZERO, ["--world-size", "2"],
      {"zero_optimization.stage": 0, "gradient_accumulation_steps": 1}),
     ("yaml-onecycle-sgd", "ds.yaml", YAML_ONECYCLE, [],
