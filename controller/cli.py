@@ -37,7 +37,10 @@ def _root() -> None:
 def validate(
     config: Annotated[str, typer.Argument(help="DeepSpeed-style engine config: a .json/.yaml path or a JSON string.")],
     world_size: Annotated[
-        int, typer.Option("--world-size", "-w", min=1, help="Data-parallel world size used to resolve batch sizes.")
+        int, typer.Option("--world-size", "-w", min=1,
+                          help="Ranks the job runs on, to resolve batch sizes over the data-parallel ranks that "
+                               "the config's degrees (tensor_parallel.autotp_size, sequence_parallel_size, "
+                               "pipeline.stages) leave.")
     ] = 1,
     hidden_size: Annotated[
         int | None, typer.Option("--hidden-size", min=1, help="Model hidden size, to resolve \"auto\" ZeRO bucket sizes.")
@@ -57,10 +60,13 @@ def validate(
     and exits 2.
     """
     from deepfleet.engine.config import ConfigError, load_config
+    from deepfleet.engine.config_parallel import raw_dp_size
 
     source: str | Path = config
     try:
-        cfg = load_config(source, world_size=world_size, hidden_size=hidden_size, auto_values=_auto_values(auto))
+        dp_size = raw_dp_size(source, world_size=world_size)
+        cfg = load_config(source, world_size=world_size, dp_size=dp_size if dp_size != world_size else None,
+                          hidden_size=hidden_size, auto_values=_auto_values(auto))
     except ConfigError as e:
         for line in e.errors:
             typer.echo(line, err=True)

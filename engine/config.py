@@ -76,6 +76,7 @@ from deepfleet.engine.config_pipeline import PipelineConfig
 from deepfleet.engine.config_privacy import DifferentialPrivacyConfig
 from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
+from deepfleet.engine.config_tensor_parallel import TensorParallelConfig
 from deepfleet.engine.config_zero import AioConfig, ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
@@ -174,7 +175,8 @@ class DeepFleetConfig(ConfigSection):
     curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
     """DeepSpeed's legacy sequence-length curriculum passed to the model (engine/curriculum.py)."""
     data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
-    """DeepSpeed's data efficiency: random layerwise token dropping (engine/data_routing.py)."""
+    """DeepSpeed's data efficiency: random layerwise token dropping (engine/data_routing.py) and curriculum
+    data sampling (engine/data_sampling.py)."""
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
     """Block Hessian eigenvalues by power iteration at accumulation boundaries (engine/eigenvalue.py)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -189,6 +191,8 @@ class DeepFleetConfig(ConfigSection):
     """Ulysses sequence parallelism: ranks that split each sequence (the mesh's `sp` axis, engine/attention/)."""
     seq_parallel_communication_data_type: Literal["fp16", "bf16", "fp32"] = "fp32"
     """dtype of the sequence-parallel all-to-alls (DeepSpeed's key)."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """AutoTP training: tensor parallelism of the blocks' Linear layers (the mesh's `tp` axis, engine/autotp.py)."""
     moe: MoEConfig | None = None
     """Mixture-of-Experts shape and expert-parallel degree (deepfleet's own section; engine/moe/)."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)

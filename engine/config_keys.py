@@ -81,7 +81,16 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "hybrid_engine": _OFF,
     "nebula": _OFF,
     "weight_quantization": _SECTION,
-    "tensor_parallel": _SECTION,
+    # AutoTP's other keys: overlapping its all-reduces, its inference-only and preset options
+    "tensor_parallel.tp_overlap_comm": Unsupported(_equals(False)),
+    "tensor_parallel.preset_model": Unsupported(_equals(None)),
+    "tensor_parallel.injection_policy_tuple": Unsupported(_equals(None)),
+    "tensor_parallel.keep_module_on_host": Unsupported(_equals(False)),
+    "tensor_parallel.replace_with_kernel_inject": Unsupported(_equals(False)),
+    "tensor_parallel.tp": Unsupported(_all_off({"tp_size": (1,), "tp_grain_size": (1, 64), "mpu": (None,),
+                                                "tp_group": (None,)})),
+    # the dtype DeepSpeed's tp_model_init casts the model to; training's precision is the bf16/fp16 sections
+    "tensor_parallel.dtype": Unsupported(_any),
     "expert_parallel": _SECTION,
     "timers": _SECTION,
     "torch_autocast": _OFF,

@@ -31,6 +31,7 @@ from deepfleet.engine.compat import groups as compat_groups
 from deepfleet.engine.compat import zero as compat_zero
 from deepfleet.engine.compat.args import config_from_args
 from deepfleet.engine.compat.engine_members import DeepSpeedEngineMembers
+from deepfleet.engine.config_parallel import raw_dp_size
 from deepfleet.engine.curriculum import ModelSchedules
 from deepfleet.engine.data_sampling import CurriculumDataLoader, build_curriculum_loader
 from deepfleet.engine.dataloader import TrainingDataLoader, build_dataloader
@@ -426,6 +427,7 @@ def initialize(
     parallel.build_mesh(device.type)
     model.to(device)
     bind_expert_parallel(model, parallel)  # MoE layers get their ep group before any strategy wraps them
+    tp_mesh = _apply_autotp(model, cfg, parallel, device) if parallel.tp > 1 else None
     training = build_training(
         model,
         cfg,
@@ -453,10 +455,32 @@ def initialize(
                             dataset_size=_length(training_data))
     engine = DeepFleetEngine(model, config=cfg, training=training, parallel=parallel, training_dataloader=loader,
                              privacy=privacy)
+    engine.tp_checkpoint_mesh = tp_mesh  # split tensors are checkpointed whole-shaped on it (engine/autotp.py)
     compat_groups.set_parallel(parallel)  # deepspeed.utils.groups answers for this engine
     compat_zero.register_module(model)    # deepspeed.zero.GatheredParameters finds its shards' owners
     compat_checkpointing.configure_from_engine_config(cfg)  # deepspeed.checkpointing from activation_checkpointing
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _apply_autotp(model: nn.Module, cfg: Any, parallel: ParallelDims, device: torch.device) -> Any:
+    """Split the model over the tp axis (engine/autotp.py); the (tp, dp) mesh its checkpoints use."""
+    from deepfleet.engine.autotp import TPCheckpointMesh, apply_autotp
+    from deepfleet.engine.config import ConfigError
+
+    refused = [(cfg.zero_optimization.stage == 3, "zero_optimization.stage 3 (use stage 0, 1 or 2, as DeepSpeed's "
+                                                   "AutoTP training does)"),
+               (parallel.sp > 1, "sequence_parallel_size > 1"), (parallel.ep > 1, "expert parallelism (moe ep_size)"),
+               (parallel.pp > 1, "pipeline stages"),
+               (cfg.deepfleet_differential_privacy.enabled, "deepfleet_differential_privacy")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError([f"tensor_parallel.autotp_size: not supported together with {what}; "
+                               "drop one of them"])
+    try:
+        apply_autotp(model, group=parallel.submesh("tp").get_group(), config=cfg.tensor_parallel)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    return TPCheckpointMesh(parallel, parallel.grad_group, device.type)
 
 
 def _length(data: Any) -> int | None:
@@ -487,7 +511,7 @@ def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None
     if isinstance(source, DeepFleetConfig):
         cfg = source
     else:
-        cfg = load_config(source, world_size=world_size, dp_size=_raw_dp_size(source, world_size=world_size))
+        cfg = load_config(source, world_size=world_size, dp_size=raw_dp_size(source, world_size=world_size))
     try:
         # the model's MoE layers name their expert-parallel degree (DeepSpeed scripts set it only there)
         ep = model_ep_size(model, cfg.moe.ep_size if cfg.moe is not None else None) if model is not None else None
@@ -501,28 +525,6 @@ def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None
         cfg = load_config(cfg.to_dict() if isinstance(source, DeepFleetConfig) else source,
                           world_size=world_size, dp_size=parallel.dp_size)
     return cfg, parallel
-
-
-def _raw_dp_size(source: Any, *, world_size: int) -> int | None:
-    """The data-parallel size the raw config's degree keys leave (`DEGREE_KEYS`; integers only), so a
-    `train_batch_size` written for it resolves on the first parse; None when they cannot tell."""
-    from deepfleet.engine.config_source import read_source
-    from deepfleet.engine.parallel import DEGREE_KEYS
-
-    raw = read_source(source, [])
-    if raw is None:
-        return None
-    given: dict[str, int] = {}
-    for degree, key in DEGREE_KEYS.items():
-        value: Any = raw
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            given[degree] = value
-    try:
-        return ParallelDims(**given, world_size=world_size).dp_size
-    except ValueError:
-        return None  # the full parse reports the degrees' problem by key
 
 
 DeepSpeedEngine = DeepFleetEngine

@@ -20,8 +20,7 @@ The mesh is torch's `init_device_mesh` over all five axes, size-1 axes included 
 torch 2.13: building it at 2 and 3 ranks takes ~0.1 s; slicing a size-1 axis gives a one-rank group), so
 `mesh["tp"]` exists whatever the degrees; the data-parallel sub-mesh is `_flatten("dp")` of
 (`dp_replicate`, `dp_shard`), kept here because torch deprecates re-slicing a flattened axis from the
-root mesh. Which config section sets which degree is `DEGREE_KEYS`; a later section (MoE `ep_size`,
-pipeline stages, `sequence_parallel_size`, tensor parallelism) adds its row there.
+root mesh. Which config section sets which degree is `DEGREE_KEYS` (engine/config_parallel.py).
 """
 
 from __future__ import annotations
@@ -30,16 +29,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepfleet.engine.config_parallel import DEGREE_KEYS, OFF_VALUES
+
 DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
 """The mesh's axes, outermost first."""
-
-# degree -> dotted config key that sets it. Empty today: every degree but data parallelism is 1, and
-# data parallelism takes the rest of the world. A section that asks for a degree adds its row.
-DEGREE_KEYS: dict[str, str] = {
-    "ep": "moe.ep_size",
-}
-DEGREE_KEYS["sp"] = "sequence_parallel_size"  # Ulysses sequence parallelism (engine/attention/)
-DEGREE_KEYS["pp"] = "pipeline.stages"  # engine/pipe/: PipelineModule(num_stages=...) fills it in
 
 
 @dataclass
@@ -126,7 +119,7 @@ class ParallelDims:
             value: Any = cfg
             for part in key.split("."):
                 value = getattr(value, part, None) if value is not None else None
-            if value is not None:
+            if value is not None and not (degree in OFF_VALUES and value == OFF_VALUES[degree]):
                 given[degree] = value
         names = {d: DEGREE_KEYS[d] for d in given}
         for degree, (value, label) in (model_degrees or {}).items():
@@ -184,3 +177,4 @@ class ParallelDims:
     def dp_rank(self) -> int:
         """This rank's index in the data-parallel group (the data loader's shard)."""
         return self.dp_mesh.get_local_rank()
+

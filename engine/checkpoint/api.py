@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import weakref
 from importlib import metadata
 from pathlib import Path
@@ -54,6 +55,35 @@ _WRITERS: weakref.WeakKeyDictionary[Any, StepWriter] = weakref.WeakKeyDictionary
 
 _OPTIONAL_STATEFUL = ("lr_scheduler", "precision", "training_dataloader", "compression", "model_schedules",
                       "privacy")
+
+
+def _tp_wrapped(engine: Any, state: dict) -> dict:
+    """`state` with tensor-parallel shares as whole-shaped 2-D DTensors (engine/autotp.py); unchanged
+    without tensor parallelism."""
+    mesh = getattr(engine, "tp_checkpoint_mesh", None)
+    return mesh.wrap_state(state, engine.module) if mesh is not None else state
+
+
+def _check_tp_degree(engine: Any, reader: StepReader) -> None:
+    """Fused tensor-parallel weights are saved in the share order of their tp degree: refuse another."""
+    from deepfleet.engine.autotp import fused_layers
+
+    parallel = getattr(engine, "parallel", None)
+    saved = (reader.manifest.degrees or {}).get("tp", 1)
+    now = parallel.tp if parallel is not None else 1
+    fused = fused_layers(engine.module) if now > 1 else []
+    if saved != now and (fused or saved > 1 and _has_fused_names(reader)):
+        raise CheckpointError(
+            f"tensor_parallel.autotp_size: the checkpoint was saved at tp {saved}, this run is at tp {now}, and "
+            f"its fused weights ({', '.join(fused[:3]) or 'qkv-style layers'}) are stored in the order of that "
+            f"degree; resume with autotp_size {saved if saved > 1 else 0}")
+
+
+def _has_fused_names(reader: StepReader) -> bool:
+    from deepfleet.engine.autotp import _DEFAULT_RULES
+
+    fused = [re.compile(p) for p, kind, blocks in _DEFAULT_RULES if blocks > 1]
+    return any(p.search(k) for k in reader.saved_shapes() if k.startswith("model.") for p in fused)
 
 
 def writer_for(engine: Any) -> StepWriter:
@@ -98,7 +128,7 @@ def save_checkpoint(
     parallel = getattr(engine, "parallel", None)
     writer.save(
         Path(save_dir) / tag,
-        tensors=engine.sharding.state_dict(),
+        tensors=_tp_wrapped(engine, engine.sharding.state_dict()),
         rank_state={"rank": _rank(), "world_size": world, "rng": capture_rng(), **_comm_state(engine)},
         shared_state=shared,
         manifest_fields={
@@ -184,7 +214,10 @@ def load_checkpoint(
             with_optim = False
     if with_optim:
         _complete_optimizer_template(state, reader.saved_shapes())
-    wanted = state if with_optim else {"model": state["model"]}
+    _check_tp_degree(engine, reader)
+    # tensor-parallel shares as whole-shaped DTensors sharing their storage: DCP fills them in place
+    template = _tp_wrapped(engine, state)
+    wanted = template if with_optim else {"model": template["model"]}
     if not load_module_strict:  # the same tensors: DCP fills the shared ones in place, the rest stay
         wanted = _only_saved(wanted, reader.saved_shapes())
     reader.check_shapes(wanted, strict_prefixes=("model.",) if load_module_strict else ())

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from deepfleet.engine import comm
+from deepfleet.engine.autotp import gather_full_state
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ def save_16bit_model(
         state = consolidated_16bit_state_dict(module, dtype=dtype, exclude_frozen_parameters=exclude_frozen_parameters)
     else:
         frozen = _frozen(module) if exclude_frozen_parameters else set()
-        state = _portable({k: v for k, v in module.state_dict().items() if k not in frozen}, dtype=dtype)
+        whole = gather_full_state(module, module.state_dict())  # tensor-parallel shares made whole (collective)
+        state = _portable({k: v for k, v in whole.items() if k not in frozen}, dtype=dtype)
     if comm.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)

@@ -28,8 +28,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from deepfleet.engine import comm
+from deepfleet.engine.autotp import tp_shard
 from deepfleet.engine.moe.groups import expert_groups
-from deepfleet.engine.zero.gradients import any_nonfinite, clip_to_norm_, split_global_norm
+from deepfleet.engine.zero.gradients import (
+    any_nonfinite,
+    clip_to_norm_,
+    split_global_norm,
+    tensor_parallel_norm,
+)
 from deepfleet.engine.zero.optim_state import (
     ensure_optimizer_state,
     fqn_optimizer_state,
@@ -112,6 +118,11 @@ class DDPStrategy:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 model, [self._names[i] for i in self._experts])
         self._master_of = {id(p): m for p, m in zip(params, self._masters, strict=True)}
+        # tensor-parallel shares (engine/autotp.py): their squares also sum over the tp group, and a step is
+        # skipped on every rank (not only this data-parallel group) when any rank overflows
+        self._tp = [i for i, p in enumerate(params) if tp_shard(p) is not None]
+        self._tp_group = tp_shard(params[self._tp[0]]).group if self._tp else None
+        self._agree_group = None if self._tp else process_group
         # reduce_bucket_size counts elements (DeepSpeed's unit); DDP wants MiB of fp32 gradients.
         bucket_elements = getattr(zero_config, "reduce_bucket_size", None) or 25 * _MB // 4
         self.module = DistributedDataParallel(
@@ -169,7 +180,7 @@ class DDPStrategy:
             torch._foreach_div_(grads, grad_scale)
         # Gradients are identical after the all-reduce, but agree explicitly so a rank whose
         # gradients were altered after the reduction cannot step alone.
-        return any_nonfinite(grads, self._group)
+        return any_nonfinite(grads, self._agree_group)
 
     def _reduce_experts(self) -> None:
         """Average expert gradients over their expert-data-parallel group (in fp32), in the 16-bit
@@ -194,6 +205,8 @@ class DDPStrategy:
         expert = [self._masters[i].grad for i in self._experts if self._masters[i].grad is not None]
         grads = dense + expert
         norm = float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
+        norm = tensor_parallel_norm(norm, [self._masters[i].grad for i in self._tp if self._masters[i].grad is not None],
+                                    self._tp_group)
         clip_to_norm_(grads, max_norm, norm=norm)
         return norm
 

@@ -107,6 +107,23 @@ def split_global_norm(dense: Sequence[torch.Tensor], experts: Sequence[torch.Ten
     return total.sqrt()
 
 
+def tensor_parallel_norm(norm: float, shards: Sequence[torch.Tensor], tp_group: dist.ProcessGroup | None) -> float:
+    """The whole-model norm under tensor parallelism (engine/autotp.py), from `norm`, the norm a strategy
+    took with every tensor parallel rank's `shards` (the split parameters' gradients, in the form the
+    strategy holds them) counted as if they were whole: their squares S are replaced by the sum of S over
+    `tp_group`. Every rank of the tp group gets the same value; an inf/nan on any of them makes it
+    nonfinite everywhere (the overflow agreement across the group)."""
+    if tp_group is None:
+        return norm
+    local = global_norm(list(shards)).pow(2) if shards else torch.zeros((), dtype=_ACCUMULATE)
+    total = local.clone()
+    comm.all_reduce(total, op=comm.ReduceOp.SUM, group=tp_group)
+    squared = norm * norm - float(local.item()) + float(total.item())
+    if squared != squared or squared == float("inf"):  # nan/inf: an overflow on some rank
+        return squared
+    return max(squared, 0.0) ** 0.5  # rounding can leave a tiny negative when the shards are ~0
+
+
 def clip_by_global_norm_(
     grads: Sequence[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None
 ) -> float:

@@ -77,7 +77,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from deepfleet.engine import comm
+from deepfleet.engine.autotp import tp_shard
 from deepfleet.engine.moe.groups import expert_groups
+from deepfleet.engine.zero import gradients
 from deepfleet.engine.zero.flat import GradChunk, ParamRun, flatten, gather_in_place, reduce_grads_in_place
 from deepfleet.engine.zero.gradients import clip_to_norm_, global_norm, split_global_norm
 from deepfleet.engine.zero.layout import (
@@ -335,7 +337,13 @@ class _Partitioned(ABC):
             for p, t in zip(self._params, self._opt_tensors, strict=True):
                 if t.grad is not None:
                     (experts if expert_groups(p) is not None else dense).append(t.grad)
-        return float(split_global_norm(dense, experts, ep.ep_group if ep is not None else None).item())
+        norm = float(split_global_norm(dense, experts, ep.ep_group if ep is not None else None).item())
+        split = [i for i, p in enumerate(self._params) if tp_shard(p) is not None]  # engine/autotp.py
+        if split:  # tp ranks hold other rows of these: their squares sum over the tp group too
+            shards = ([self._dtensor(self._local_grad(i), i) for i in split] if self._grad_segments
+                      else [self._opt_tensors[i].grad for i in split if self._opt_tensors[i].grad is not None])
+            norm = gradients.tensor_parallel_norm(norm, shards, tp_shard(self._params[split[0]]).group)
+        return norm
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         grads = [t.grad for t in self._opt_tensors if t.grad is not None]

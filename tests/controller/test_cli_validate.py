@@ -243,6 +243,13 @@ GPT_DATA_CURRICULUM = {  # DeepSpeed's data-efficiency GPT recipe shape: curricu
                         "schedule_config": {"total_curriculum_step": 110000, "difficulty_step": 8}}}}},
         "data_routing": {"enabled": False}},
 }
+AUTOTP_ZERO1 = {  # DeepSpeed's AutoTP training tutorial shape: tensor parallel 4 beside ZeRO-1, bf16
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+    "tensor_parallel": {"autotp_size": 4},
+    "zero_optimization": {"stage": 1, "gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}},
+}
 BOOLEAN_ZERO = {"train_batch_size": 16, "zero_optimization": False, "fp16": {"enabled": False},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 YAML_ONECYCLE = """\
@@ -293,6 +300,8 @@ REAL = [
     ("gpt-data-efficiency-curriculum", "ds.json", GPT_DATA_CURRICULUM, ["--world-size", "16"],
      {"gradient_accumulation_steps": 4,
       "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.seqlen_truncate.max_difficulty": 2048}),
+    ("autotp-zero1-bf16", "ds.json", AUTOTP_ZERO1, ["--world-size", "8"],
+     {"gradient_accumulation_steps": 4, "tensor_parallel.autotp_size": 4, "zero_optimization.stage": 1}),
     ("boolean-zero-optimization", "ds.json", BOOLEAN_ZERO, ["--world-size", "2"],
      {"zero_optimization.stage": 0, "gradient_accumulation_steps": 1}),
     ("yaml-onecycle-sgd", "ds.yaml", YAML_ONECYCLE, [],
@@ -313,7 +322,8 @@ def test_real_world_configs_parse_unchanged(tmp_path, name, content, args, expec
         assert node == value, dotted
     tbs = normalized["train_batch_size"]
     world = int(args[args.index("--world-size") + 1]) if "--world-size" in args else 1
-    assert tbs == normalized["train_micro_batch_size_per_gpu"] * normalized["gradient_accumulation_steps"] * world
+    dp = world // max(1, normalized["tensor_parallel"]["autotp_size"])  # tensor-parallel ranks share a batch
+    assert tbs == normalized["train_micro_batch_size_per_gpu"] * normalized["gradient_accumulation_steps"] * dp
 
 
 def test_validate_runs_without_torch(tmp_path) -> None:
