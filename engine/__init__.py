@@ -13,6 +13,7 @@ _EXPORTS = {
     "DeepSpeedEngine": "deepfleet.engine.engine",
     "add_config_arguments": "deepfleet.engine.compat.args",
     "DeepSpeedConfig": "deepfleet.engine.compat.config",
+    "tp_model_init": "deepfleet.engine.autotp",
     "__version__": "deepfleet.engine.compat.version",
     "__deepspeed_compat_version__": "deepfleet.engine.compat.version",
 }

@@ -241,6 +241,35 @@ def apply_autotp(model: nn.Module, *, group: Any, config: Any) -> dict[str, tupl
     return chosen
 
 
+def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None,
+                  **kwargs: Any) -> nn.Module:
+    """DeepSpeed's `deepspeed.tp_model_init(model, tp_size, dtype)`: cast the model to `dtype` and mark it for
+    AutoTP at degree `tp_size`; the split itself happens in `initialize` (which takes the degree from here
+    when the config's `tensor_parallel.autotp_size` is unset, and refuses a different one). Returns the model."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size: must be a positive integer, got {tp_size!r}")
+    unknown = sorted(k for k in kwargs if k not in ("mpu", "tp_group"))
+    if unknown or kwargs.get("mpu") is not None or kwargs.get("tp_group") is not None:
+        raise ValueError(f"tp_model_init: {unknown or ['mpu/tp_group']} not supported; the tp group comes from "
+                         "the engine's mesh, so pass only model, tp_size and dtype")
+    if dtype is not None:
+        model.to(dtype)
+    model.deepfleet_autotp_size = tp_size
+    return model
+
+
+def model_tp_size(model: nn.Module | None, configured: int) -> int | None:
+    """The degree `tp_model_init` recorded on `model` (None when it was not called); ValueError when the
+    config asks for another."""
+    marked = getattr(model, "deepfleet_autotp_size", None) if model is not None else None
+    if marked is None:
+        return None
+    if configured > 1 and configured != marked:
+        raise ValueError(f"tensor_parallel.autotp_size: {configured} but tp_model_init(tp_size={marked}); make "
+                         "them agree or drop one")
+    return marked
+
+
 # --------------------------------------------------------------------------------------- whole tensors
 
 def gather_full(t: torch.Tensor, shard: TPShard) -> torch.Tensor:

@@ -44,7 +44,7 @@ from deepfleet.engine.config_activation_checkpointing import (
 )
 from deepfleet.engine.config_autotuning import AutotuningConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
-from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig
+from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig, TimersConfig
 from deepfleet.engine.config_communication import CommunicationConfig
 from deepfleet.engine.config_compression import CompressionConfig
 from deepfleet.engine.config_curriculum import (
@@ -181,6 +181,8 @@ class DeepFleetConfig(ConfigSection):
     """Block Hessian eigenvalues by power iteration at accumulation boundaries (engine/eigenvalue.py)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    """The throughput timer of `engine.tput_timer` (engine/config_checkpoint.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
     """`torch.compile` of the wrapped model (engine/config_checkpoint.py)."""
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)

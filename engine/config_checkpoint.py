@@ -70,3 +70,19 @@ class CompileConfig(ConfigSection):
     """The `torch.compile` backend ("inductor", "aot_eager", "eager", ...)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Further keyword arguments of `torch.compile` (`mode`, `fullgraph`, `dynamic`, `options`)."""
+
+
+class ThroughputTimerConfig(ConfigSection):
+    """`timers.throughput`: the throughput timer behind `engine.tput_timer` (samples per second)."""
+
+    enabled: Bool = True
+    """Time the optimizer steps (off: `tput_timer.avg_samples_per_sec()` stays 0)."""
+    synchronized: Bool = True
+    """Wait for the accelerator's queued work before each reading (exact on a GPU; nothing to wait for on CPU)."""
+
+
+class TimersConfig(ConfigSection):
+    """The `timers` section (DeepSpeed's name)."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+    """The throughput timer."""

@@ -92,7 +92,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     # the dtype DeepSpeed's tp_model_init casts the model to; training's precision is the bf16/fp16 sections
     "tensor_parallel.dtype": Unsupported(_any),
     "expert_parallel": _SECTION,
-    "timers": _SECTION,
     "torch_autocast": _OFF,
     "communication_data_type": Unsupported(_one_of(None, "fp32")),  # every strategy reduces in fp32
     "sparse_gradients": Unsupported(_equals(False)),

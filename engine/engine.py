@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from deepfleet.engine import comm, job_env
+from deepfleet.engine.autotp import model_tp_size
 from deepfleet.engine.build import Training, build_training
 from deepfleet.engine.compat import checkpointing as compat_checkpointing
 from deepfleet.engine.compat import groups as compat_groups
@@ -515,8 +516,11 @@ def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None
     try:
         # the model's MoE layers name their expert-parallel degree (DeepSpeed scripts set it only there)
         ep = model_ep_size(model, cfg.moe.ep_size if cfg.moe is not None else None) if model is not None else None
-        from_model = {"ep": (ep, "MoE(ep_size=...)")} if ep is not None else None
-        parallel = ParallelDims.from_config(cfg, world_size=world_size, model_degrees=from_model)
+        from_model = {"ep": (ep, "MoE(ep_size=...)")} if ep is not None else {}
+        tp = model_tp_size(model, cfg.tensor_parallel.autotp_size)  # deepspeed.tp_model_init(model, tp_size)
+        if tp is not None and tp > 1:
+            from_model["tp"] = (tp, "tp_model_init(tp_size=...)")
+        parallel = ParallelDims.from_config(cfg, world_size=world_size, model_degrees=from_model or None)
     except ValueError as e:
         from deepfleet.engine.config import ConfigError
 

@@ -18,13 +18,18 @@ class ThroughputTimer:
     """`engine.tput_timer`: samples per second over the optimizer steps seen so far (DeepSpeed's
     `avg_samples_per_sec()`), fed by the engine's step records."""
 
-    def __init__(self, batch_size: int) -> None:
+    def __init__(self, batch_size: int, *, enabled: bool = True, synchronized: bool = True) -> None:
         self.batch_size = batch_size
+        self.enabled, self.synchronized = enabled, synchronized  # the `timers.throughput` section
         self.global_step_count = 0
         self.total_elapsed_time = 0.0
         self._last: float | None = None
 
     def step_done(self, now: float | None = None) -> None:
+        if not self.enabled:
+            return
+        if self.synchronized and now is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         now = time.perf_counter() if now is None else now
         if self._last is not None:
             self.total_elapsed_time += now - self._last
@@ -181,7 +186,9 @@ class DeepSpeedEngineMembers:
     def tput_timer(self) -> ThroughputTimer:
         timer = self.__dict__.get("_tput_timer")
         if timer is None:
-            timer = ThroughputTimer(self.config.train_batch_size)
+            settings = self.config.timers.throughput
+            timer = ThroughputTimer(self.config.train_batch_size, enabled=settings.enabled,
+                                    synchronized=settings.synchronized)
             self.__dict__["_tput_timer"] = timer
         return timer
 

@@ -221,3 +221,17 @@ def test_config_keys() -> None:
         load_config({"train_batch_size": 4, "tensor_parallel": {"autotp_size": 2, "partition_config": {
             "layer_specs": [{"patterns": ["x"], "partition_type": "row", "shape": [2, -1]}]}}})
     assert load_config({"train_batch_size": 4, "tensor_parallel": {"autotp_size": 0}}).tensor_parallel.degree == 1
+
+
+def _tp_model_init(rank: int, world: int) -> tuple:
+    torch.manual_seed(0)
+    model = deepspeed.tp_model_init(MLPNet(), tp_size=2, dtype=torch.float32)
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return engine.parallel.tp, engine.parallel.dp_size, tuple(engine.module.blocks[0].fc.weight.shape)
+
+
+def test_tp_model_init_sets_the_degree_as_deepspeed_scripts_call_it() -> None:
+    assert spawn(_tp_model_init, 2)[0] == (2, 1, (32, 16))
+    with pytest.raises(ValueError, match="tp_size: must be a positive integer"):
+        deepspeed.tp_model_init(MLPNet(), tp_size=0, dtype=torch.float32)

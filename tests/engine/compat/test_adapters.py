@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import deepfleet.engine as deepspeed
+from deepfleet.engine.config import ConfigError, load_config
 from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
 TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
@@ -371,3 +372,16 @@ def test_zero_names() -> None:
     with deepspeed.zero.GatheredParameters(p, modifier_rank=0):  # no process group: nothing to gather
         p.data.mul_(3)
     assert torch.equal(p.detach(), torch.full((2,), 3.0))
+
+
+def test_timers_section_switches_the_throughput_timer() -> None:
+    cfg = {**CONFIG, "timers": {"throughput": {"enabled": False, "synchronized": False}}}
+    engine, *_ = deepspeed.initialize(model=gpt(), config=cfg)
+    data = SyntheticTokens(num_samples=8, seq_len=TINY.seq_len, vocab_size=TINY.vocab_size)
+    batch = {k: torch.stack([data[i][k] for i in range(2)]) for k in data[0]}
+    for _ in range(4):
+        engine.backward(engine(batch))
+        engine.step()
+    assert engine.global_steps == 2 and engine.tput_timer.avg_samples_per_sec() == 0.0
+    with pytest.raises(ConfigError, match="timers.throughput.enable: unknown key; did you mean"):
+        load_config({**CONFIG, "timers": {"throughput": {"enable": True}}})
