@@ -53,6 +53,7 @@ from deepfleet.engine.config_curriculum import (
     ProgressiveLayerDropConfig,
 )
 from deepfleet.engine.config_data_efficiency import DataEfficiencyConfig
+from deepfleet.engine.config_elasticity import ElasticityConfig
 from deepfleet.engine.config_keys import check_keys
 from deepfleet.engine.config_moe import MoEConfig
 from deepfleet.engine.config_monitor import (
@@ -78,6 +79,7 @@ from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_tensor_parallel import TensorParallelConfig
 from deepfleet.engine.config_zero import AioConfig, ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
+from deepfleet.engine.elasticity import apply_elasticity
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
 
@@ -181,6 +183,8 @@ class DeepFleetConfig(ConfigSection):
     """Block Hessian eigenvalues by power iteration at accumulation boundaries (engine/eigenvalue.py)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoint tag validation and DeepSpeed's storage switches (engine/config_checkpoint.py)."""
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
+    """DeepSpeed Elasticity: the batch chosen to suit many data-parallel sizes (engine/elasticity.py)."""
     timers: TimersConfig = Field(default_factory=TimersConfig)
     """The throughput timer of `engine.tput_timer` (engine/config_checkpoint.py)."""
     compile: CompileConfig = Field(default_factory=CompileConfig)
@@ -542,6 +546,7 @@ def load_config(
     _canonical_type(data, "optimizer", OPTIMIZER_TYPES, OPTIMIZERS_NOT_SUPPORTED, errors)
     _canonical_type(data, "scheduler", SCHEDULER_TYPES, (), errors)
     check_keys(data, DeepFleetConfig, path="", errors=errors)
+    apply_elasticity(data, dp_size=dp, errors=errors)  # sets the batch keys when elasticity is on
     # "pipeline.stages": "auto" is DeepSpeed's default: the PipelineModule's num_stages (engine/pipe/).
     fill = {"pipeline.stages": None, **(_hf_bucket_sizes(hidden_size) if hidden_size else {}),
             **dict(auto_values or {})}

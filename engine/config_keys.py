@@ -73,7 +73,6 @@ NOT_SUPPORTED: dict[str, Unsupported] = {
     "data_efficiency.data_sampling.dynamic_batching": _OFF,
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": _OFF,  # DeepSpeed refuses it too
     "amp": _OFF,
-    "elasticity": _OFF,
     "quantize_training": _OFF,
     # gradients accumulate in fp32 (the strategies' buffers and FSDP2's reduce dtype), so only that is accepted
     "data_types": Unsupported(_all_off({"grad_accum_dtype": (None, "fp32")}),

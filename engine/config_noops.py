@@ -34,6 +34,11 @@ NO_OPS: dict[str, NoOp] = {
     "checkpoint.parallel_write.pipeline_stage": NoOp(
         "How DeepSpeed spreads pipeline stages' writes; every rank writes its own shard files here."
     ),
+    # elasticity (engine/elasticity.py)
+    "elasticity.min_time": NoOp(
+        "Minutes a scheduler should keep an elastic job at one size before rescaling it; DeepSpeed's runtime "
+        "does not read it either, and the batch arithmetic does not depend on it."
+    ),
     # sequence parallelism (engine/attention/)
     "seq_parallel_communication_data_type": NoOp(
         "DeepSpeed's dtype for reducing gradients over the data- and sequence-parallel ranks; every strategy "

@@ -60,9 +60,9 @@ BROKEN = [
         "zero_optimization.reduce_bucket_size: 'auto' needs the model's hidden size; pass hidden_size to "
         "load_config (deepfleet validate --hidden-size) or set a number",
     ]),
-    ("not-supported-yet", "c.json", {**BASE, "elasticity": {"enabled": True},
+    ("not-supported-yet", "c.json", {**BASE, "hybrid_engine": {"enabled": True},
                                      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [], [
-        'elasticity: not supported yet; drop the section or set "enabled": false',
+        'hybrid_engine: not supported yet; drop the section or set "enabled": false',
         "zero_optimization.offload_param.device: nvme is not supported yet (FSDP2 holds stage-3 parameter shards "
         'between uses); use "cpu" or "none"',
     ]),
@@ -250,6 +250,12 @@ AUTOTP_ZERO1 = {  # DeepSpeed's AutoTP training tutorial shape: tensor parallel 
     "bf16": {"enabled": True}, "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}},
 }
+ELASTIC = {  # DeepSpeed Elasticity's documented example, with ZeRO-1 and fp16
+    "elasticity": {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6], "min_gpus": 1,
+                   "max_gpus": 10000, "min_time": 20, "version": 0.1},
+    "zero_optimization": {"stage": 1}, "fp16": {"enabled": True},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+}
 BOOLEAN_ZERO = {"train_batch_size": 16, "zero_optimization": False, "fp16": {"enabled": False},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
 YAML_ONECYCLE = """\
@@ -302,6 +308,8 @@ REAL = [
       "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.seqlen_truncate.max_difficulty": 2048}),
     ("autotp-zero1-bf16", "ds.json", AUTOTP_ZERO1, ["--world-size", "8"],
      {"gradient_accumulation_steps": 4, "tensor_parallel.autotp_size": 4, "zero_optimization.stage": 1}),
+    ("elasticity-documented-example", "ds.json", ELASTIC, ["--world-size", "8"],
+     {"train_batch_size": 1680, "train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 35}),
     ("boolean-zero-optimization", "ds.json", BOOLEAN_ZERO, ["--world-size", "2"],
      {"zero_optimization.stage": 0, "gradient_accumulation_steps": 1}),
     ("yaml-onecycle-sgd", "ds.yaml", YAML_ONECYCLE, [],

@@ -90,15 +90,15 @@ def test_all_errors_are_collected_one_line_each() -> None:
         "fp16": {"enabled": True},
         "bf16": {"enabled": True},
         "gradient_clip": 1.0,
-        "elasticity": {"enabled": True},
+        "hybrid_engine": {"enabled": True},
         "optimizer": {"type": "adam", "params": {"lr": "auto", "momentum": 0.9}},
         "zero_optimization": {"stage": 5, "reduce_bucket_size": -1},
         "steps_per_print": "10",
     })
     assert errors == [  # sorted by key
-        'elasticity: not supported yet; drop the section or set "enabled": false',
         "fp16.enabled: fp16 and bf16 are both enabled; enable only one of them",
         "gradient_clip: unknown key; did you mean gradient_clipping? remove or rename it",
+        'hybrid_engine: not supported yet; drop the section or set "enabled": false',
         "optimizer.params.lr: 'auto' cannot be resolved by the engine; set a number",
         "optimizer.params.momentum: unknown key; remove or rename it",
         "steps_per_print: expected an integer, got str '10'; write a number without quotes",
@@ -173,9 +173,9 @@ def test_not_supported_key_with_default_value_is_accepted_and_other_values_named
           "wandb": {"enabled": False}, "communication_data_type": None}
     load_config(ok)
     errors = _errors({"train_batch_size": 2, "zero_optimization": {"stage": 2, "load_from_fp32_weights": False},
-                      "elasticity": {"enabled": True}})
+                      "hybrid_engine": {"enabled": True}})
     assert errors == [
-        'elasticity: not supported yet; drop the section or set "enabled": false',
+        'hybrid_engine: not supported yet; drop the section or set "enabled": false',
         "zero_optimization.load_from_fp32_weights: not supported yet; drop it",
     ]
 

@@ -43,8 +43,9 @@ def _code() -> tuple[str, str]:
     """(code, config code): every engine/worker/kernels module except the config models, and the config
     models, whose validators and properties may read their own fields."""
     files = [p for top in ("engine", "worker", "kernels") for p in (ROOT / top).rglob("*.py")]
-    code = [p for p in files if not p.name.startswith("config")]
-    sections = [p for p in files if p.name.startswith("config")]
+    # config_parallel.py is the degree table the mesh reads (code, though torch-free and named like a section)
+    code = [p for p in files if not p.name.startswith("config") or p.name == "config_parallel.py"]
+    sections = [p for p in files if p.name.startswith("config") and p.name != "config_parallel.py"]
     return "\n".join(p.read_text() for p in code), "\n".join(p.read_text() for p in sections)
 
 
