@@ -43,6 +43,7 @@ from deepfleet.engine.metrics import StepRecorder, StepSink
 from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_size
 from deepfleet.engine.parallel import ParallelDims
 from deepfleet.engine.privacy import DPSGD, build_privacy
+from deepfleet.engine.zero.construction import gather_whole
 
 logger = logging.getLogger(__name__)
 
@@ -427,6 +428,8 @@ def initialize(
     device = training_device()
     parallel.build_mesh(device.type)
     model.to(device)
+    if cfg.zero_optimization.stage != 3:  # built under deepspeed.zero.Init: whole again (zero/construction.py)
+        gather_whole(model)
     bind_expert_parallel(model, parallel)  # MoE layers get their ep group before any strategy wraps them
     tp_mesh = _apply_autotp(model, cfg, parallel, device) if parallel.tp > 1 else None
     training = build_training(

@@ -1,17 +1,20 @@
 """`deepspeed.zero.Init`, `deepspeed.zero.GatheredParameters` and `ZeroParamStatus`, over this engine's
 ZeRO-3 (FSDP2 `fully_shard`, parameters as `DTensor` shards on dim 0).
 
-- `Init(...)`: DeepSpeed partitions each parameter the moment it is created inside the context. Here a
-  model is sharded when `initialize` applies stage 3 (FSDP2 needs the whole module to place its units),
-  so inside `Init` parameters are created whole; what `Init` does here is cast new floating parameters to
-  its `dtype` and check its arguments. Peak memory while constructing is therefore the full model's.
+- `Init(...)`: as in DeepSpeed, each parameter is partitioned over the data-parallel ranks the moment the
+  module that created it finishes its `__init__` (engine/zero/construction.py): the parameter keeps only
+  this rank's rows in `ds_tensor` and holds an empty placeholder, so the whole model never exists on one
+  rank. `initialize` at stage 3 hands the rows to FSDP2 without making them whole; at stages 0-2 it makes
+  the parameters whole first. `dtype` casts new floating parameters. Without a process group (one
+  process) nothing is partitioned.
 - `GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)`: inside the context
   the listed parameters are whole on every rank: a stage-3 shard is all-gathered and the full tensor is
   put on its module under the same name, so `module.weight` reads (and, on `modifier_rank`, writes) the
-  whole weight; on exit the modifier rank's values are broadcast and each rank's shard is refreshed from
-  them, and the sharded parameter goes back. Plain (unsharded) parameters stay as they are and are
-  broadcast from `modifier_rank` on exit. Owners of shards are found in the modules of engines built in
-  this process (`register_module`, called by `initialize`).
+  whole weight; a parameter partitioned by `Init` is made whole in place. On exit the modifier rank's
+  values are broadcast and each rank's shard is refreshed from them, and the sharded parameter goes back.
+  Plain (unsharded) parameters stay as they are and are broadcast from `modifier_rank` on exit. Owners of
+  shards are found in the modules of engines built in this process (`register_module`, called by
+  `initialize`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from deepfleet.engine import comm
+from deepfleet.engine.zero import construction
 
 _MODULES: list[weakref.ref] = []  # the user modules of engines built in this process
 
@@ -63,9 +69,18 @@ class Init(contextlib.ContextDecorator):
         self.enabled = enabled
         self.dtype = dtype
         self.config = config_dict_or_path if config_dict_or_path is not None else config
+        self.group = data_parallel_group if data_parallel_group is not None else construction.default_group()
         self._hook: Any = None
-        if module is not None and enabled and dtype is not None:
-            module.to(dtype)
+        self._partitioning: Any = None
+        if module is not None and enabled:  # DeepSpeed's form for a model built already: partition it now
+            if dtype is not None:
+                module.to(dtype)
+            if self._partitions():
+                for p in module.parameters():
+                    construction.partition_param(p, self.group)
+
+    def _partitions(self) -> bool:
+        return self.group is not None and comm.get_world_size(self.group) > 1
 
     def _cast(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         if param is not None and param.is_floating_point() and param.dtype != self.dtype:
@@ -75,9 +90,15 @@ class Init(contextlib.ContextDecorator):
     def __enter__(self) -> Init:
         if self.enabled and self.dtype is not None:
             self._hook = nn.modules.module.register_module_parameter_registration_hook(self._cast)
+        if self.enabled and self._partitions():
+            self._partitioning = construction.partitioning(self.group)
+            self._partitioning.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> bool:
+        if self._partitioning is not None:
+            self._partitioning.__exit__(*exc)
+            self._partitioning = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -133,12 +154,16 @@ class GatheredParameters(contextlib.ContextDecorator):
         self.modifier_rank = modifier_rank
         self.enabled = enabled and dist.is_initialized()
         self._swapped: list[tuple[DTensor, nn.Parameter, list[tuple[nn.Module, str]]]] = []
+        self._whole: list[nn.Parameter] = []  # Init's partitioned parameters made whole here
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
         for p in self.params:
-            if isinstance(p, DTensor):
+            if construction.is_partitioned(p):  # partitioned by Init: whole in place
+                construction.make_whole(p)
+                self._whole.append(p)
+            elif isinstance(p, DTensor):
                 owners = _owners(p)
                 full = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
                 for module, name in owners:
@@ -150,6 +175,10 @@ class GatheredParameters(contextlib.ContextDecorator):
         if not self.enabled:
             return False
         with torch.no_grad():
+            for p in self._whole:
+                if self.modifier_rank is not None:
+                    comm.broadcast(p.data, group=p.ds_group, group_src=self.modifier_rank)
+                construction.repartition_param(p)
             for p in self._plain():
                 if self.modifier_rank is not None:
                     dist.broadcast(p.data, src=self.modifier_rank)
@@ -159,11 +188,12 @@ class GatheredParameters(contextlib.ContextDecorator):
                     self._refresh_shard(sharded, full.data)
                 for module, name in owners:
                     setattr(module, name, sharded)
-        self._swapped = []
+        self._swapped, self._whole = [], []
         return False
 
     def _plain(self) -> Iterator[torch.Tensor]:
-        return (p for p in self.params if not isinstance(p, DTensor))
+        whole = {id(p) for p in self._whole}
+        return (p for p in self.params if not isinstance(p, DTensor) and id(p) not in whole)
 
     @staticmethod
     def _refresh_shard(sharded: DTensor, full: torch.Tensor) -> None:

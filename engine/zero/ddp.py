@@ -90,6 +90,9 @@ def _fp32_allreduce_hook(state, bucket):  # noqa: ANN001 - DDP checks real (not 
 class DDPStrategy:
     """Stage 0 (see module docstring)."""
 
+    _tp: list[int] = []  # indices of tensor-parallel shares (none for subclasses that skip __init__)
+    _tp_group: Any = None
+
     def __init__(
         self,
         model: nn.Module,
@@ -122,7 +125,6 @@ class DDPStrategy:
         # skipped on every rank (not only this data-parallel group) when any rank overflows
         self._tp = [i for i, p in enumerate(params) if tp_shard(p) is not None]
         self._tp_group = tp_shard(params[self._tp[0]]).group if self._tp else None
-        self._agree_group = None if self._tp else process_group
         # reduce_bucket_size counts elements (DeepSpeed's unit); DDP wants MiB of fp32 gradients.
         bucket_elements = getattr(zero_config, "reduce_bucket_size", None) or 25 * _MB // 4
         self.module = DistributedDataParallel(
@@ -180,7 +182,7 @@ class DDPStrategy:
             torch._foreach_div_(grads, grad_scale)
         # Gradients are identical after the all-reduce, but agree explicitly so a rank whose
         # gradients were altered after the reduction cannot step alone.
-        return any_nonfinite(grads, self._agree_group)
+        return any_nonfinite(grads, None if self._tp else self._group)  # None: every rank
 
     def _reduce_experts(self) -> None:
         """Average expert gradients over their expert-data-parallel group (in fp32), in the 16-bit

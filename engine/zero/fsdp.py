@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from deepfleet.engine import comm
 from deepfleet.engine.blocks import shard_units
 from deepfleet.engine.moe.groups import expert_groups, moe_layers
+from deepfleet.engine.zero.construction import adopt_into_fsdp, partitioned_params
 from deepfleet.engine.zero.fsdp_collectives import CompressedReduceScatter, RingReduceScatter
 from deepfleet.engine.zero.gradients import any_nonfinite, clip_to_norm_, split_global_norm
 
@@ -67,32 +68,38 @@ class FSDPStrategy:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        # Experts on an expert-parallel mesh are FSDP units of their own, sharded over their
-        # expert-data-parallel group (the ranks holding the same experts); the enclosing block's and the
-        # root's units then leave their parameters alone.
         self._ep = None
         self._expert_names: set[str] = set()
-        for layer in moe_layers(model):
-            groups = next((expert_groups(p) for p in layer.experts.parameters()), None)
-            if groups is None:
-                continue
-            self._ep = groups
-            self._expert_names |= {name for name, p in model.named_parameters() if expert_groups(p) is groups}
-            fully_shard(layer.experts, mesh=DeviceMesh.from_group(groups.dp_group, device.type), mp_policy=policy)
-            if groups.dp_size > 1 and dist.get_backend(groups.dp_group) == "gloo":
-                layer.experts.set_custom_reduce_scatter(RingReduceScatter())
-        units = shard_units(model)  # transformer blocks; a ZeRO-3 leaf module holding blocks replaces them
-        for block in units:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        if dist.get_backend(self._group) == "gloo":
-            # Gloo's reduce-scatter is 3.5x slower than a ring of sends (see zero/fsdp_collectives.py);
-            # the hook also hands the buffer to a gradient compression policy first.
-            for unit in [*units, model]:
-                unit.set_custom_reduce_scatter(RingReduceScatter())
-        elif comm.gradient_policy() is not None:  # installed by build.py before the strategy is built
-            for unit in [*units, model]:
-                unit.set_custom_reduce_scatter(CompressedReduceScatter())
+
+        def shard() -> None:
+            # Experts on an expert-parallel mesh are FSDP units of their own, sharded over their
+            # expert-data-parallel group (the ranks holding the same experts); the enclosing block's and the
+            # root's units then leave their parameters alone.
+            for layer in moe_layers(model):
+                groups = next((expert_groups(p) for p in layer.experts.parameters()), None)
+                if groups is None:
+                    continue
+                self._ep = groups
+                self._expert_names |= {name for name, p in model.named_parameters() if expert_groups(p) is groups}
+                fully_shard(layer.experts, mesh=DeviceMesh.from_group(groups.dp_group, device.type), mp_policy=policy)
+                if groups.dp_size > 1 and dist.get_backend(groups.dp_group) == "gloo":
+                    layer.experts.set_custom_reduce_scatter(RingReduceScatter())
+            units = shard_units(model)  # transformer blocks; a ZeRO-3 leaf module holding blocks replaces them
+            for block in units:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            if dist.get_backend(self._group) == "gloo":
+                # Gloo's reduce-scatter is 3.5x slower than a ring of sends (see zero/fsdp_collectives.py);
+                # the hook also hands the buffer to a gradient compression policy first.
+                for unit in [*units, model]:
+                    unit.set_custom_reduce_scatter(RingReduceScatter())
+            elif comm.gradient_policy() is not None:  # installed by build.py before the strategy is built
+                for unit in [*units, model]:
+                    unit.set_custom_reduce_scatter(CompressedReduceScatter())
+        if partitioned_params(model):  # built under deepspeed.zero.Init: never whole (zero/construction.py)
+            adopt_into_fsdp(model, shard, group=self._group)
+        else:
+            shard()
         self.module = model
         self.local_accumulation = bool(getattr(zero_config, "deepfleet_local_grad_accumulation", False))
         self._params = dict(model.named_parameters())
