@@ -1,12 +1,12 @@
 """Peak host memory while building a model, with and without `deepspeed.zero.Init`, per rank.
 
-Each mode runs in fresh processes (2 gloo ranks under torchrun), so the peak resident set of a rank
+Each mode runs in fresh processes (`--ranks` gloo ranks under torchrun, default 2), so the peak resident set of a rank
 (`ru_maxrss`) minus its resident set just before construction is the memory the construction needed.
 Under `Init` each module's parameters are partitioned as its `__init__` returns
 (engine/zero/construction.py), so the peak is about the rank's share plus the largest module; without it,
 the whole model. The ratio is reported against the whole-model build measured in the same run.
 
-Usage: python benchmarks/zero_init.py [--d-model 768 --layers 12 --vocab 16384]
+Usage: python benchmarks/zero_init.py [--ranks 2 --d-model 768 --layers 12 --vocab 16384]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--mode", choices=["whole", "init"])
     args = parser.parse_args()
     if args.mode:
@@ -65,14 +66,14 @@ def main() -> None:
     rows = {}
     for mode in ("whole", "init"):
         out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks), __file__,
              "--mode", mode, "--d-model", str(args.d_model), "--layers", str(args.layers), "--vocab", str(args.vocab)],
             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
         lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         rows[mode] = max(r["peak_mib"] for r in lines), lines[0]["params"]
     whole, params = rows["whole"]
     init, _ = rows["init"]
-    print(f"model: {params / 1e6:.1f}M parameters, fp32 = {params * 4 / 2**20:.0f} MiB; 2 ranks")
+    print(f"model: {params / 1e6:.1f}M parameters, fp32 = {params * 4 / 2**20:.0f} MiB; {args.ranks} ranks")
     print(f"peak construction memory per rank: whole {whole:.0f} MiB, zero.Init {init:.0f} MiB, "
           f"ratio {init / whole:.2f}")
 

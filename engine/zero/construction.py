@@ -21,6 +21,7 @@ meta-device construction loses the initial values a model's own `__init__` sets.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,7 +55,30 @@ def partition_param(p: nn.Parameter, group: Any) -> None:
     p.ds_shape, p.ds_numel, p.ds_group = tuple(p.shape), p.numel(), group
     p.ds_tensor = shard
     p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    freed = p.numel() * p.element_size()
     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    if p.device.type == "cpu" and freed >= _TRIM_BYTES:
+        _release_host_memory()
+
+
+_TRIM_BYTES = 1 << 20
+
+
+def _release_host_memory() -> None:
+    """Give the freed whole tensor's pages back (glibc keeps freed heap memory resident, so without this
+    the resident set would not shrink as parameters are partitioned and the construction peak would stay
+    near the whole model's); a no-op where the C library has no `malloc_trim`."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            _TRIM = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None
 
 
 def gather_param(p: nn.Parameter) -> torch.Tensor:

@@ -41,8 +41,13 @@ args = TrainingArguments(
 if cli.model:  # after TrainingArguments, so that at ZeRO-3 HF loads through deepspeed.zero.Init
     model = AutoModelForCausalLM.from_pretrained(cli.model)
     if cli.out:
+        import deepspeed  # at ZeRO-3 the weights are partitioned placeholders: read them gathered, as with DeepSpeed
+
+        weight = model.transformer.wte.weight
+        with deepspeed.zero.GatheredParameters(weight):
+            wte_sum = float(weight.detach().double().sum())
         with open(f"{cli.out}.rank{torch.distributed.get_rank()}", "w") as f:
-            json.dump({"wte_sum": float(model.transformer.wte.weight.detach().double().sum())}, f)
+            json.dump({"wte_sum": wte_sum}, f)
 else:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
