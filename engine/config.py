@@ -44,6 +44,7 @@ from deepfleet.engine.config_activation_checkpointing import (
 )
 from deepfleet.engine.config_autotuning import AutotuningConfig
 from deepfleet.engine.config_base import Bool, ConfigError, ConfigSection, Float, Int
+from deepfleet.engine.config_batch_elasticity import apply_elasticity
 from deepfleet.engine.config_checkpoint import CheckpointConfig, CompileConfig, TimersConfig
 from deepfleet.engine.config_communication import CommunicationConfig
 from deepfleet.engine.config_compression import CompressionConfig
@@ -79,7 +80,6 @@ from deepfleet.engine.config_source import read_source
 from deepfleet.engine.config_sparse_attention import SparseAttentionConfig
 from deepfleet.engine.config_tensor_parallel import TensorParallelConfig
 from deepfleet.engine.config_zero import AioConfig, ConfigWarning, ZeroConfig, is_out_of_stage, out_of_stage
-from deepfleet.engine.elasticity import apply_elasticity
 
 __all__ = ["ConfigError", "ConfigWarning", "DeepFleetConfig", "FP16Config", "BF16Config", "load_config"]
 

@@ -43,9 +43,11 @@ def _code() -> tuple[str, str]:
     """(code, config code): every engine/worker/kernels module except the config models, and the config
     models, whose validators and properties may read their own fields."""
     files = [p for top in ("engine", "worker", "kernels") for p in (ROOT / top).rglob("*.py")]
-    # config_parallel.py is the degree table the mesh reads (code, though torch-free and named like a section)
-    code = [p for p in files if not p.name.startswith("config") or p.name == "config_parallel.py"]
-    sections = [p for p in files if p.name.startswith("config") and p.name != "config_parallel.py"]
+    # code that is torch-free and named like a section (so the controller may import it): the degree table
+    # the mesh reads, and the elastic batch arithmetic load_config applies
+    logic = {"config_parallel.py", "config_batch_elasticity.py"}
+    code = [p for p in files if not p.name.startswith("config") or p.name in logic]
+    sections = [p for p in files if p.name.startswith("config") and p.name not in logic]
     return "\n".join(p.read_text() for p in code), "\n".join(p.read_text() for p in sections)
 
 
