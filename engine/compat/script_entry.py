@@ -38,6 +38,25 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
     runpy.run_path(str(path), run_name="__main__")
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """After the script returned: wait for the engines' checkpoint writes and destroy the default process
+    group, so its backend's threads are joined before the interpreter tears down (a process group left
+    to interpreter exit can abort the rank with "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the script destroyed it, or never made one
+    from deepfleet.engine.checkpoint.api import _WRITERS
+
+    for writer in list(_WRITERS.values()):  # an async save still in flight uses the writer's own group
+        writer.wait()
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
