@@ -40,6 +40,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 
 from deepfleet.engine.config_data_efficiency import DataEfficiencyConfig, DataSamplingConfig
 from deepfleet.engine.curriculum import CurriculumScheduler
+from deepfleet.engine.dataloader import timed_batches
 from deepfleet.engine.indexed_dataset import IndexedRows, smallest_int_dtype, write_rows
 
 log = logging.getLogger(__name__)
@@ -528,12 +529,7 @@ class CurriculumDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         sampler = self.data_sampler
         sampler.load_state_dict(self._delivered)  # prefetched, undelivered batches are drawn again
-        batches = super().__iter__()
-        while True:
-            with self.fetch_timer():
-                batch = next(batches, _END)
-            if batch is _END:
-                return
+        for batch in timed_batches(super().__iter__(), self.fetch_timer):
             self._delivered = sampler._states.popleft()
             if self.post_process_func is not None:
                 batch = self.post_process_func(batch, self._delivered)
@@ -549,8 +545,6 @@ class CurriculumDataLoader(DataLoader):
         self.data_sampler.load_state_dict(state["curriculum"])
         self._delivered = self.data_sampler.state_dict()
 
-
-_END = object()
 
 
 def build_curriculum_loader(dataset: Dataset, config: Any, *, dp_rank: int, dp_size: int, global_rank: int,

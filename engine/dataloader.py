@@ -21,6 +21,17 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 _END = object()  # the end of an epoch's batches
 
 
+def timed_batches(batches: Iterator[Any], fetch_timer: Callable[[], AbstractContextManager[Any]]) -> Iterator[Any]:
+    """Each batch of `batches`, each fetch inside `fetch_timer()` (the engine's "data" phase); shared by
+    this loader and the curriculum loader (engine/data_sampling.py)."""
+    while True:
+        with fetch_timer():
+            batch = next(batches, _END)
+        if batch is _END:
+            return
+        yield batch
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """`DistributedSampler` (drop_last) that can start an epoch after `start` global samples."""
 
@@ -63,12 +74,7 @@ class TrainingDataLoader(DataLoader):
         sampler: ResumableDistributedSampler = self.sampler  # type: ignore[assignment]
         sampler.set_epoch(self.epoch)
         sampler.start = self.samples_consumed
-        batches = super().__iter__()
-        while True:
-            with self.fetch_timer():
-                batch = next(batches, _END)
-            if batch is _END:
-                break
+        for batch in timed_batches(super().__iter__(), self.fetch_timer):
             self.samples_consumed += self.batch_size * sampler.num_replicas  # type: ignore[operator]
             yield batch
         self.epoch += 1
