@@ -4,6 +4,7 @@ bare folder imports, torch-free spec modules and ruff (import direction: test_im
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -133,3 +134,15 @@ def test_ruff_is_clean() -> None:
     assert ruff, "ruff is part of the dev extra"
     proc = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("script", sorted(
+    p.name for p in (ROOT / "benchmarks").glob("*.py")
+    if re.search(r"^from benchmarks\.|^import benchmarks\.", p.read_text(), re.M)))
+def test_benchmark_scripts_import_their_siblings_from_this_checkout(script: str) -> None:
+    """A dependency installs a top-level `benchmarks` package of its own (opacus does); the folder's
+    `__init__.py` makes ours a regular package, found first from the checkout, so scripts that share
+    helpers still start."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
