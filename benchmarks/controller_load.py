@@ -24,10 +24,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.controller.pg and benchmarks.controller_api when run as a script
@@ -36,12 +38,13 @@ from benchmarks.controller_api import ADMIN, _fresh_database, _pct, _seed  # noq
 from deepfleet.controller.db.migrate import upgrade_head  # noqa: E402
 
 SERVER = """
-import sys, uvicorn
+import sys
 from deepfleet.controller.app import create_app
+from deepfleet.controller.api.load import serve
 from deepfleet.controller.settings import Settings
 settings = Settings(data_dir=sys.argv[1], database_url=sys.argv[2], migrate_on_start=False,
                     admin_token=sys.argv[3], admin_project="research")
-uvicorn.run(create_app(settings), fd=int(sys.argv[4]), log_level="warning", access_log=False)
+serve(create_app(settings), fd=int(sys.argv[4]), log_level="warning", access_log=False)
 """
 JOB = """apiVersion: deepfleet/v1
 kind: TrainingJob
@@ -77,7 +80,10 @@ class Health:
 
 async def _submit(c: httpx.AsyncClient, i: int) -> tuple[int, float]:
     t0 = time.perf_counter()
-    r = await c.post("/v1/jobs", content=JOB.format(i=i), headers={"Content-Type": "application/yaml"})
+    try:
+        r = await c.post("/v1/jobs", content=JOB.format(i=i), headers={"Content-Type": "application/yaml"})
+    except httpx.TransportError:  # a reset or a timeout: counted as an error (status 0), never hidden
+        return 0, (time.perf_counter() - t0) * 1000
     return r.status_code, (time.perf_counter() - t0) * 1000
 
 
@@ -91,10 +97,33 @@ def _summary(results: list[tuple[int, float]], wall_s: float) -> dict:
             "submits_per_s": round(codes.get(201, 0) / wall_s, 1)}
 
 
-async def _phases(base: str, args: argparse.Namespace, ids: list[str]) -> None:
+async def _server_cpu(c: httpx.AsyncClient, server: psutil.Process, ids: list[str], counter: Iterator[int],
+                      n: int = 60) -> None:
+    """One request at a time: the server's CPU (all its threads and processes) and the latency per request."""
+    requests = {"submit": lambda k: _submit(c, next(counter)),
+                "list": lambda k: c.get("/v1/jobs", params={"limit": 50}),
+                "get": lambda k: c.get(f"/v1/jobs/{ids[k % len(ids)]}")}
+    out = {}
+    for op, send in requests.items():
+        await send(0)  # warm: caches, prepared statements
+        cpu0, t0 = _cpu_s(server), time.perf_counter()
+        for k in range(1, n + 1):
+            await send(k)
+        out[op] = {"server_cpu_ms": round((_cpu_s(server) - cpu0) * 1000 / n, 2),
+                   "latency_ms": round((time.perf_counter() - t0) * 1000 / n, 2)}
+    print(json.dumps({"bench": "controller_load", "phase": "one_at_a_time", "requests_each": n, **out}), flush=True)
+
+
+def _cpu_s(server: psutil.Process) -> float:
+    procs = [server, *server.children(recursive=True)]
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
+async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: psutil.Process) -> None:
     limits = httpx.Limits(max_connections=args.concurrent + 16, max_keepalive_connections=args.concurrent + 16)
     async with httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=120, limits=limits) as c:
         counter = iter(range(10**9))
+        await _server_cpu(c, server, ids, counter)
 
         health = Health(base)
         sampler = asyncio.create_task(health.run())
@@ -196,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError("the controller did not start")
                 time.sleep(0.2)
-            asyncio.run(_phases(base, args, ids))
+            asyncio.run(_phases(base, args, ids, psutil.Process(server.pid)))
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from deepfleet.controller.api import web
+from deepfleet.controller.api.load import serve
 from deepfleet.controller.api.logs import LogReader, LogUnavailable
 from deepfleet.controller.app import create_app
 from deepfleet.controller.backends.base import Backend, BackendError
@@ -208,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         for line in e.errors:
             print(f"deepfleet server: {line}", file=sys.stderr)
         return 2
-    import uvicorn
-
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.data_dir, 0o711)  # others (the jobs' users) may reach their areas, never list it
     if "local" in settings.backends and (settings.run_as or settings.project_users):
@@ -229,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"deepfleet controller on {scheme}://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
           f"logs {settings.logs_root})", file=sys.stderr, flush=True)
-    if args.fd is not None:
-        uvicorn.run(app, fd=args.fd, log_level="warning", **tls)
-    else:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **tls)
+    serve(app, fd=args.fd, host=args.host, port=args.port, log_level="warning", **tls)
     return 0
 
 

@@ -146,7 +146,7 @@ async def submit_job(request: Request, principal: PrincipalDep, session: Session
     return await run_in_threadpool(create)
 
 
-def _encode_cursor(job: Job) -> str:
+def _encode_cursor(job: Job | store.ListedJob) -> str:
     raw = json.dumps([job.created_at.isoformat(), job.id]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
@@ -196,8 +196,8 @@ def list_jobs(
     f = store.JobFilter(project=principal.project, phase=phase, queue=queue, labels=_labels(label), name=name)
     after = _decode_cursor(cursor) if cursor else None
     rows, total = store.list_jobs(session, f, limit=limit, after=after)
-    next_cursor = _encode_cursor(rows[-1].job) if len(rows) == limit else None
-    items = [JobSummary.of(r.job, step=r.step, max_steps=r.max_steps) for r in rows]
+    next_cursor = _encode_cursor(rows[-1]) if len(rows) == limit else None
+    items = [JobSummary.listed(r) for r in rows]
     return JobList(items=items, total=total, next_cursor=next_cursor)
 
 

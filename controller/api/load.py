@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -91,3 +93,26 @@ def install_outage_handler(app: FastAPI) -> None:
     app.add_exception_handler(PoolTimeout, unavailable)
     app.add_exception_handler(DBAPIError, unavailable)
 
+
+# Seconds an idle keep-alive connection stays open. uvicorn's default (5 s) races clients that reuse a
+# pooled connection just as the server closes it (the client sees a reset on a request it already sent);
+# past any client pool's idle timeout and any load balancer's (60 s is the common default), it cannot.
+KEEP_ALIVE_S = 75
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening socket a parent handed over as `fd`, opened with its real family.
+
+    uvicorn's own `fd=` path labels every such socket AF_UNIX, so asyncio never sets TCP_NODELAY on
+    the TCP connections it accepts, and each response whose headers and body leave in two segments
+    then waits out the client's delayed ACK (about 40 ms per request)."""
+    return socket.socket(fileno=fd)
+
+
+def serve(app: ASGIApp, *, fd: int | None = None, host: str = "127.0.0.1", port: int = 8000,
+          **options: Any) -> None:
+    """Run `app` under uvicorn on an inherited listening socket `fd`, else on host:port."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=KEEP_ALIVE_S, **options)
+    uvicorn.Server(config).run(sockets=[inherited_socket(fd)] if fd is not None else None)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepfleet.controller.db.jobs import ListedJob
 from deepfleet.controller.db.models import Attempt, Event, Heartbeat, Job
 
 
@@ -72,19 +73,26 @@ class JobSummary(_Out):
     """The job's step budget (`spec.maxSteps`), when set: with `step`, the progress."""
 
     @classmethod
-    def of(cls, job: Job, **figures: Any) -> JobSummary:
-        """`figures` (step, max_steps) when a listing extracted them in SQL; else read from the documents."""
-        return cls(**{**_summary_fields(job, with_documents=not figures), **figures})
+    def of(cls, job: Job) -> JobSummary:
+        return cls(**_summary_fields(job))
+
+    @classmethod
+    def listed(cls, row: ListedJob) -> JobSummary:
+        """A listing's row: its labels read apart and its figures extracted in SQL."""
+        return cls(**_common_fields(row), labels=row.labels, step=row.step, max_steps=row.max_steps)
 
 
-def _summary_fields(job: Job, *, with_documents: bool = True) -> dict[str, Any]:
+def _common_fields(job: Job | ListedJob) -> dict[str, Any]:
     return dict(id=job.id, name=job.name, project=job.project, queue=job.queue, backend=job.backend,
                 priority=job.priority, phase=job.phase, message=job.message or "",
                 desired_state=job.desired_state, attempt=job.current_attempt, world_size=job.world_size,
-                labels={label.key: label.value for label in job.labels}, created_at=job.created_at,
-                updated_at=job.updated_at, finished_at=job.finished_at,
-                **({"step": (job.last_heartbeat or {}).get("step"),
-                    "max_steps": (job.spec or {}).get("spec", {}).get("maxSteps")} if with_documents else {}))
+                created_at=job.created_at, updated_at=job.updated_at, finished_at=job.finished_at)
+
+
+def _summary_fields(job: Job) -> dict[str, Any]:
+    return dict(**_common_fields(job), labels={label.key: label.value for label in job.labels},
+                step=(job.last_heartbeat or {}).get("step"),
+                max_steps=(job.spec or {}).get("spec", {}).get("maxSteps"))
 
 
 class PrivacyOut(_Out):

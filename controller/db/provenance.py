@@ -30,24 +30,31 @@ def records(session: Session, job_id: str) -> list[ProvenanceRecord]:
 
 
 def append(session: Session, job_id: str, kind: str, data: dict[str, Any], *, attempt: int | None = None,
-           time: datetime | None = None) -> ProvenanceRecord:
-    """Add the next record of the job's chain (flushed; committed with the caller's transaction)."""
+           time: datetime | None = None, new_job: bool = False) -> ProvenanceRecord:
+    """Add the next record of the job's chain (committed with the caller's transaction).
+
+    `new_job`: the job row was added in this same transaction, so no other transaction can see it and
+    its chain is empty: the first record needs neither the row lock nor a read of the chain's head."""
     if kind not in KINDS:
         raise ValueError(f"provenance kind {kind!r} is not one of {', '.join(KINDS)}")
-    session.flush()
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
-    last = session.scalars(
-        select(ProvenanceRecord).where(ProvenanceRecord.job_id == job_id)
-        .order_by(ProvenanceRecord.seq.desc()).limit(1)
-    ).one_or_none()
-    seq, prev = (0, GENESIS) if last is None else (last.seq + 1, last.hash)
+    if new_job:
+        seq, prev = 0, GENESIS
+    else:
+        session.flush()
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
+        last = session.scalars(
+            select(ProvenanceRecord).where(ProvenanceRecord.job_id == job_id)
+            .order_by(ProvenanceRecord.seq.desc()).limit(1)
+        ).one_or_none()
+        seq, prev = (0, GENESIS) if last is None else (last.seq + 1, last.hash)
     stamp = (time or utcnow()).isoformat()
     row = ProvenanceRecord(job_id=job_id, seq=seq, kind=kind, attempt=attempt, time=stamp, data=data,
                            prev_hash=prev, hash=record_hash(job_id=job_id, seq=seq, kind=kind, attempt=attempt,
                                                             time=stamp, data=data, prev_hash=prev))
     session.add(row)
-    session.flush()
+    if not new_job:
+        session.flush()
     return row
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 
 import httpx
 import pytest
@@ -107,3 +108,45 @@ def test_a_flapping_database_is_one_outage_logged_once(caplog: pytest.LogCapture
     messages = [rec.getMessage() for rec in caplog.records]
     assert sum("database unavailable" in m for m in messages) == 1
     assert [m for m in messages if "reachable again" in m] == ["database reachable again after 6.0 s"]
+
+
+@pytest.mark.parametrize("opened", ["inherited_socket", "uvicorn_fromfd"])
+def test_connections_on_an_inherited_listening_socket_get_tcp_nodelay(opened: str) -> None:
+    """The accepted connection's TCP_NODELAY as asyncio's server sets it (uvicorn serves through
+    `loop.create_server(sock=...)`): on with our opening of the handed-over socket, off with uvicorn's
+    `fd=` path, which labels the socket AF_UNIX (then every response waits out a delayed ACK)."""
+    import socket
+
+    from deepfleet.controller.api.load import inherited_socket
+
+    parent = socket.socket()
+    parent.bind(("127.0.0.1", 0))
+    parent.listen(8)
+    fd = os.dup(parent.fileno())
+    listener = inherited_socket(fd) if opened == "inherited_socket" else socket.fromfd(fd, socket.AF_UNIX,
+                                                                                        socket.SOCK_STREAM)
+    seen: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            conn = transport.get_extra_info("socket")
+            seen.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def scenario() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        _, writer = await asyncio.open_connection(*parent.getsockname())
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        parent.close()
+        if opened != "inherited_socket":
+            os.close(fd)
+    assert seen == ([1] if opened == "inherited_socket" else [0])
