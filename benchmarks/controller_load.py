@@ -40,11 +40,17 @@ from deepfleet.controller.db.migrate import upgrade_head  # noqa: E402
 SERVER = """
 import sys
 from deepfleet.controller.app import create_app
-from deepfleet.controller.api.load import serve
+from deepfleet.controller.api.load import ApiProcesses, serve, with_api_processes
 from deepfleet.controller.settings import Settings
-settings = Settings(data_dir=sys.argv[1], database_url=sys.argv[2], migrate_on_start=False,
-                    admin_token=sys.argv[3], admin_project="research")
-serve(create_app(settings), fd=int(sys.argv[4]), log_level="warning", access_log=False)
+data_dir, url, admin, fd, processes = sys.argv[1:6]
+child = len(sys.argv) > 6
+settings = Settings(data_dir=data_dir, database_url=url, migrate_on_start=False, admin_token=None if child else admin,
+                    admin_project="research", api_processes=int(processes))
+app = create_app(settings)
+if settings.api_processes > 1 and not child:
+    with_api_processes(app, ApiProcesses([sys.executable, *sys.argv, "child"],
+                                         count=settings.api_processes - 1, fd=int(fd)))
+serve(app, fd=int(fd), log_level="warning", access_log=False)
 """
 JOB = """apiVersion: deepfleet/v1
 kind: TrainingJob
@@ -193,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=10_000, help="jobs in the table before the read phase")
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--reads", type=int, default=200, help="requests per reader")
+    parser.add_argument("--api-processes", type=int, default=2, help="server processes on the socket "
+                        "(`deepfleet server --api-processes`)")
     args = parser.parse_args(argv)
     if args.database_url:
         cluster = nullcontext(args.database_url)
@@ -210,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen(1024)
         port = sock.getsockname()[1]
-        server = subprocess.Popen([sys.executable, "-c", SERVER, tmp, url, ADMIN, str(sock.fileno())],
+        script = Path(tmp) / "server.py"
+        script.write_text(SERVER)
+        server = subprocess.Popen([sys.executable, str(script), tmp, url, ADMIN, str(sock.fileno()),
+                                   str(args.api_processes)],
                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, pass_fds=(sock.fileno(),))
         sock.close()  # the server holds its own copy
         base = f"http://127.0.0.1:{port}"

@@ -7,6 +7,7 @@ bootstrap admin token. Errors are answered as `{"detail": ..., "errors": ["<fiel
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deepfleet.controller.api import health, jobs, queues, secrets, tokens, workers
 from deepfleet.controller.api.deps import ApiError
 from deepfleet.controller.api.headers import SecurityHeaders
-from deepfleet.controller.api.load import RequestGate, install_outage_handler
+from deepfleet.controller.api.load import RequestGate, install_outage_handler, per_process_limit
 from deepfleet.controller.api.logs import LogLocator, LogReader, file_log_locator
 from deepfleet.controller.db.auth import ensure_bootstrap_token
 from deepfleet.controller.db.session import make_engine, make_session_factory
@@ -92,16 +93,19 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
     `<logs_dir>/<run name>/node-<i>.log`.
     """
     # One connection per request in flight, plus room for the reconcilers and the metrics collector.
-    engine = make_engine(settings.db_url, pool_size=settings.max_inflight_requests, max_overflow=16)
+    limit = per_process_limit(settings.max_inflight_requests, settings.api_processes)
+    engine = make_engine(settings.db_url, pool_size=limit, max_overflow=16 if settings.api_processes == 1 else 8)
     sessions = make_session_factory(engine)
 
     @asynccontextmanager
     async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         # Threads for every admitted request plus the streaming/log helpers: the pool never starves them.
-        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.max_inflight_requests + 8
+        anyio.to_thread.current_default_thread_limiter().total_tokens = limit + 8
         # Parsing a job is pure CPU under the GIL: more parsers than cores only starve the event loop
         # (and /healthz with it), so they queue here instead.
         served.state.parse_limiter = anyio.CapacityLimiter(os.cpu_count() or 2)
+        # The engine config's models load on the first submit otherwise, inside its request.
+        await run_in_threadpool(importlib.import_module, "deepfleet.engine.config")
         if settings.migrate_on_start:
             from deepfleet.controller.db.migrate import upgrade_head
 
@@ -144,6 +148,6 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
     app.add_middleware(health.BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     # Outermost of these: a request waits for a slot before it is read or timed (the security headers
     # wrap even this, see _App).
-    app.add_middleware(RequestGate, limit=settings.max_inflight_requests, queue_timeout_s=settings.queue_timeout_s)
+    app.add_middleware(RequestGate, limit=limit, queue_timeout_s=settings.queue_timeout_s)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

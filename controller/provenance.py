@@ -16,6 +16,7 @@ no library keeps one over SQL rows.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import subprocess
@@ -61,7 +62,9 @@ def verify_chain(records: Iterable[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
+@functools.cache
 def deepfleet_version() -> str:
+    """The installed package's version (read once: a metadata lookup scans the installed packages)."""
     try:
         return metadata.version("deepfleet")
     except metadata.PackageNotFoundError:

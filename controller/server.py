@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import secrets
+import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -28,7 +29,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from deepfleet.controller.api import web
-from deepfleet.controller.api.load import serve
+from deepfleet.controller.api.load import ApiProcesses, exit_with_parent, serve, with_api_processes
 from deepfleet.controller.api.logs import LogReader, LogUnavailable
 from deepfleet.controller.app import create_app
 from deepfleet.controller.backends.base import Backend, BackendError
@@ -114,9 +115,10 @@ def backend_log_reader(by_name: Mapping[str, Backend]) -> LogReader:
 
 
 def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker_command: list[str] | None = None,
-          heartbeat_interval_s: float | None = None, reconcile: bool = True) -> FastAPI:
+          heartbeat_interval_s: float | None = None, reconcile: bool = True, api_only: bool = False) -> FastAPI:
     """The app with the web page and (if `reconcile`) one reconciler thread per backend, bound to its lifespan;
-    job logs are then read through those same backend objects."""
+    job logs are then read through those same backend objects. `api_only`: an extra API process
+    (`ApiProcesses`) reads logs through backend objects of its own and runs no reconciler."""
     if not reconcile:
         app = create_app(settings)
         app.include_router(web.router)  # the page is part of the served controller, not of the bare API app
@@ -124,6 +126,8 @@ def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker
     enabled = backends(settings, slots=slots, workdir=workdir, worker_command=worker_command)
     app = create_app(settings, log_reader=backend_log_reader({b.name: b for b, _ in enabled}))
     app.include_router(web.router)
+    if api_only:
+        return app
     for backend, _ in enabled:  # local jobs' secret references read the store in the app's database
         if isinstance(backend, LocalBackend):
             backend.secrets = secret_store.resolver(app.state.sessions, key_material=settings.secret.get_secret_value())
@@ -173,10 +177,41 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, help="serve HTTPS with this PEM certificate (chain); needs --tls-key")
     p.add_argument("--tls-key", type=Path, help="the PEM private key of --tls-cert")
     p.add_argument("--worker-command", help="local backend: command that runs one node (default deepfleet-worker)")
+    p.add_argument("--api-processes", type=int, help="processes answering the API on one socket (default "
+                   "DEEPFLEET_API_PROCESSES or 1; about one per core for a busy controller)")
+    p.add_argument("--api-only", action="store_true", help=argparse.SUPPRESS)  # one of those extra processes
     return p
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """host:port bound and listening, to be shared by the API processes."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _extra_process_command(argv: list[str], fd: int) -> list[str]:
+    """This server's command line for one extra API process on the inherited socket `fd`."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--fd":
+            skip = True
+            continue
+        if arg.startswith("--fd="):
+            continue
+        out.append(arg)
+    return [sys.executable, "-m", "deepfleet.controller.server", *out, "--api-only", "--fd", str(fd)]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None):
         print("deepfleet server: --tls-cert and --tls-key go together; give both (or neither for plain HTTP)",
@@ -193,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env(
             database_url=args.db, data_dir=args.data_dir, replica_id=args.replica_id,
-            reconcile_interval_s=args.reconcile_interval,
+            reconcile_interval_s=args.reconcile_interval, api_processes=args.api_processes,
             controller_url=(os.environ.get("DEEPFLEET_CONTROLLER_URL") or os.environ.get("DEEPFLEET_PUBLIC_URL")
                             or f"{scheme}://{args.host}:{args.port}"),
         )
@@ -209,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in e.errors:
             print(f"deepfleet server: {line}", file=sys.stderr)
         return 2
+    if args.api_only:  # the first process migrated the database and ensured the bootstrap token
+        settings = settings.model_copy(update={"migrate_on_start": False, "admin_token": None})
+        exit_with_parent()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.data_dir, 0o711)  # others (the jobs' users) may reach their areas, never list it
     if "local" in settings.backends and (settings.run_as or settings.project_users):
@@ -222,13 +260,25 @@ def main(argv: list[str] | None = None) -> int:
     command = args.worker_command.split() if args.worker_command else None
     try:
         app = build(settings, slots=args.slots, workdir=args.workdir, worker_command=command,
-                    heartbeat_interval_s=args.heartbeat_interval)
+                    heartbeat_interval_s=args.heartbeat_interval, api_only=args.api_only)
     except BackendError as e:  # a backend that cannot be reached or is not configured
         print(f"deepfleet server: {e}", file=sys.stderr)
         return 2
-    print(f"deepfleet controller on {scheme}://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
-          f"logs {settings.logs_root})", file=sys.stderr, flush=True)
-    serve(app, fd=args.fd, host=args.host, port=args.port, log_level="warning", **tls)
+    fd = args.fd
+    if settings.api_processes > 1 and not args.api_only:
+        if fd is None:
+            try:
+                fd = _listening_socket(args.host, args.port).detach()
+            except OSError as e:
+                print(f"deepfleet server: --port: cannot listen on {args.host}:{args.port} ({e.strerror}); "
+                      "pick a free port", file=sys.stderr)
+                return 2
+        with_api_processes(app, ApiProcesses(_extra_process_command(argv, fd), count=settings.api_processes - 1,
+                                             fd=fd))
+    if not args.api_only:
+        print(f"deepfleet controller on {scheme}://{args.host}:{args.port}/ui/ (db {settings.db_url.split('@')[-1]}, "
+              f"logs {settings.logs_root}, {settings.api_processes} API process(es))", file=sys.stderr, flush=True)
+    serve(app, fd=fd, host=args.host, port=args.port, log_level="warning", **tls)
     return 0
 
 

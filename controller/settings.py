@@ -78,6 +78,9 @@ class Settings(BaseModel):
     max_inflight_requests: int = Field(32, ge=1, le=1024)
     """API requests handled at once; the thread pool and the database pool are sized from it, and
     requests past it wait up to `queue_timeout_s`, then get 429 with Retry-After."""
+    api_processes: int = Field(1, ge=1, le=64)
+    """Processes answering the API on one socket (`deepfleet server --api-processes`); the reconcilers
+    run in the first only. `max_inflight_requests` is shared out among them."""
     queue_timeout_s: float = Field(10.0, gt=0, le=300)
     """How long a request waits for a free slot before the 429."""
     log_max_bytes: int = Field(16 * 1_048_576, ge=1)

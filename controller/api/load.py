@@ -8,13 +8,24 @@ and time out as 500s, and a saturated thread pool also starves every other endpo
 `queue_timeout_s` for a slot, then get 429), and never applies to /healthz, /readyz and /metrics, so
 liveness keeps answering while the API is saturated. `create_app` sizes the thread pool and the
 database pool from the same number.
+
+Also how the API is served: `serve` (uvicorn on an inherited socket or host:port) and `ApiProcesses`,
+the extra processes that answer the API on the same socket when one process's core is not enough.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import signal
 import socket
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deepfleet.controller.db.outage import Outage, is_connection_error
 
+log = logging.getLogger("deepfleet.controller")
 UNLIMITED_PATHS = ("/healthz", "/readyz", "/metrics")
 RETRY_AFTER_BUSY_S = 1
 RETRY_AFTER_DB_S = 5
@@ -116,3 +128,95 @@ def serve(app: ASGIApp, *, fd: int | None = None, host: str = "127.0.0.1", port:
 
     config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=KEEP_ALIVE_S, **options)
     uvicorn.Server(config).run(sockets=[inherited_socket(fd)] if fd is not None else None)
+
+
+PARENT_ENV = "DEEPFLEET_API_PARENT_PID"
+"""Set for an extra API process: the pid of the server that started it (see `exit_with_parent`)."""
+
+
+def exit_with_parent() -> None:
+    """In an extra API process: stop (SIGTERM to itself) once the server that started it is gone, even
+    killed outright or before this process got this far, so no orphan keeps answering on the socket."""
+    parent = int(os.environ.get(PARENT_ENV) or os.getppid())
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class ApiProcesses:
+    """More processes answering the API on one listening socket: one Python process runs requests on one
+    core (the GIL), so a busy controller on a multi-core host spreads them over `count` extra processes
+    that accept from the same socket (the kernel hands each connection to one of them).
+
+    `command` starts one extra process serving the API alone on the inherited socket (no reconcilers:
+    those run once, in this process). Started after this process's start-up (migrations, bootstrap
+    token) and stopped before its shutdown; one that exits is started again after `restart_delay_s`.
+    """
+
+    def __init__(self, command: list[str], *, count: int, fd: int, restart_delay_s: float = 1.0) -> None:
+        self.command, self.count, self.fd, self.restart_delay_s = command, count, fd, restart_delay_s
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.processes = [self._spawn() for _ in range(self.count)]
+        self._watcher = threading.Thread(target=self._watch, name="api-processes", daemon=True)
+        self._watcher.start()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self.command, pass_fds=(self.fd,), env={**os.environ, PARENT_ENV: str(os.getpid())})
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            for i, proc in enumerate(self.processes):
+                code = proc.poll()
+                # 0 and death by SIGTERM/SIGINT are a shutdown (a Ctrl-C reaches the whole group).
+                if code is not None and code not in (0, -signal.SIGTERM, -signal.SIGINT) \
+                        and not self._stop.is_set():
+                    log.warning("API process %d exited with %s; starting it again", proc.pid, proc.returncode)
+                    if self._stop.wait(self.restart_delay_s):
+                        return
+                    self.processes[i] = self._spawn()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def with_api_processes(app: FastAPI, processes: ApiProcesses) -> FastAPI:
+    """`app` whose lifespan also runs `processes` (after its own start-up, stopped before its shutdown)."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[None]:
+        async with inner(a):
+            processes.start()
+            try:
+                yield
+            finally:
+                await asyncio.to_thread(processes.stop)
+
+    app.router.lifespan_context = lifespan
+    app.state.api_processes = processes
+    return app
+
+
+def per_process_limit(total: int, processes: int) -> int:
+    """Each API process's share of `max_inflight_requests` (so the database pools stay within the total)."""
+    return max(1, -(-total // processes))
