@@ -112,12 +112,23 @@ async def _server_cpu(c: httpx.AsyncClient, server: psutil.Process, ids: list[st
     out = {}
     for op, send in requests.items():
         await send(0)  # warm: caches, prepared statements
-        cpu0, t0 = _cpu_s(server), time.perf_counter()
+        cpu0, t0, mine = _cpu_s(server), time.perf_counter(), time.process_time()
         for k in range(1, n + 1):
             await send(k)
         out[op] = {"server_cpu_ms": round((_cpu_s(server) - cpu0) * 1000 / n, 2),
+                   "client_cpu_ms": round((time.process_time() - mine) * 1000 / n, 2),
                    "latency_ms": round((time.perf_counter() - t0) * 1000 / n, 2)}
     print(json.dumps({"bench": "controller_load", "phase": "one_at_a_time", "requests_each": n, **out}), flush=True)
+
+
+def _settle(server: psutil.Process, timeout_s: float = 60.0) -> None:
+    """Wait until the server's processes are idle (the extra API processes start after the first answers)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = _cpu_s(server)
+        time.sleep(0.5)
+        if _cpu_s(server) - before < 0.05:
+            return
 
 
 def _cpu_s(server: psutil.Process) -> float:
@@ -236,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError("the controller did not start")
                 time.sleep(0.2)
+            _settle(psutil.Process(server.pid))
             asyncio.run(_phases(base, args, ids, psutil.Process(server.pid)))
         finally:
             server.terminate()

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationError,
     field_validator,
@@ -320,9 +321,17 @@ class JobSpec(_Section):
     spec: TrainingSpec
     """What to run, where, and how to recover."""
 
+    _engine_configs: dict[int, Any] = PrivateAttr(default_factory=dict)
+    """The engine configs `validate_job` built, by world size (so a submit builds each once)."""
+
     def to_document(self) -> dict[str, Any]:
         """The spec as the YAML/JSON document a user writes (camelCase keys, unset options omitted)."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def validated_engine_config(self, world_size: int) -> dict[str, Any] | None:
+        """The inline engine config as validation filled it in at `world_size` (None: not validated there)."""
+        config = self._engine_configs.get(world_size)
+        return None if config is None else config.to_dict()
 
 
 def node_bounds(spec: JobSpec) -> tuple[int, int]:
@@ -425,7 +434,9 @@ def _validate_engine(spec: JobSpec, *, base_dir: Path | None, read_files: bool =
     # An elastic job must be valid at every size it may run at; its two bounds are the extremes.
     for world_size in sorted({low * per_node, high * per_node}):
         try:
-            load_config(source, world_size=world_size)
+            config = load_config(source, world_size=world_size)
+            if isinstance(source, dict):
+                spec._engine_configs[world_size] = config
         except ConfigError as e:
             suffix = f" (at world size {world_size})" if low != high else ""
             errors.extend(f"spec.engine.{line}{suffix}" for line in e.errors if f"spec.engine.{line}" not in errors)

@@ -8,13 +8,15 @@ API's import contract covers indirect imports too).
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, exists, func, insert, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from deepfleet.controller import provenance as prov
@@ -85,14 +87,51 @@ def claim_jobs(sessions: sessionmaker[Session], *, where: Sequence[ColumnElement
     return claimed
 
 
-def ensure_project(session: Session, name: str) -> Project:
-    """The project row, created on first use."""
-    project = session.get(Project, name)
-    if project is None:
-        project = Project(name=name)
-        session.add(project)
+class _Known:
+    """Names of rows found to exist, per database, remembered for `ttl_s`: projects and queues are never
+    deleted through the controller, so a submit need not look each one up again (two round trips)."""
+
+    def __init__(self, ttl_s: float = 30.0) -> None:
+        self.ttl_s = ttl_s
+        self._seen: dict[tuple[str, str, str], float] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(session: Session, table: str, name: str) -> tuple[str, str, str]:
+        return (session.get_bind().url.render_as_string(hide_password=True), table, name)
+
+    def __contains__(self, item: tuple[Session, str, str]) -> bool:
+        seen = self._seen.get(self._key(*item))
+        return seen is not None and time.monotonic() - seen < self.ttl_s
+
+    def add(self, session: Session, table: str, name: str) -> None:
+        with self._lock:
+            if len(self._seen) > 10_000:
+                self._seen.clear()
+            self._seen[self._key(session, table, name)] = time.monotonic()
+
+
+KNOWN = _Known()
+
+
+def ensure_project(session: Session, name: str) -> None:
+    """The project's row exists (created on first use)."""
+    if (session, "projects", name) in KNOWN:
+        return
+    if session.get(Project, name) is None:  # remembered once found: this transaction may yet roll back
+        session.add(Project(name=name))
         session.flush()
-    return project
+        return
+    KNOWN.add(session, "projects", name)
+
+
+def queue_exists(session: Session, name: str) -> bool:
+    if (session, "queues", name) in KNOWN:
+        return True
+    if session.get(Queue, name) is None:
+        return False
+    KNOWN.add(session, "queues", name)
+    return True
 
 
 def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[str]) -> Job:
@@ -102,7 +141,7 @@ def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[st
     if s.backend not in backends:
         errors.append(f"spec.backend: this controller runs {', '.join(backends)} jobs, not {s.backend}; "
                       f"set spec.backend to one of them")
-    if session.get(Queue, s.queue) is None:
+    if not queue_exists(session, s.queue):
         known = session.scalars(select(Queue.name).order_by(Queue.name)).all()
         errors.append(f"spec.queue: queue {s.queue!r} does not exist; use one of {', '.join(known)}")
     source = s.checkpoint.resume_from if s.checkpoint is not None else None
@@ -139,16 +178,16 @@ def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[st
     )
     session.add(job)
     session.flush()  # the job's row first: the event and the provenance record refer to it
-    record_event(session, job.id, actor=actor, type="Submitted", time=now,
-                 message=f"{s.backend} job, {job.world_size} processes, queue {s.queue}")
-    engine = prov.normalized_engine_config(job.spec, job.world_size)
-    chain.append(session, job.id, "submit", {
+    # The event and the chain's first record as plain INSERTs: nothing reads them back here.
+    session.execute(insert(Event), [dict(job_id=job.id, actor=actor, type="Submitted", time=now, attempt=None, data=None,
+                                         message=f"{s.backend} job, {job.world_size} processes, queue {s.queue}")])
+    engine = spec.validated_engine_config(job.world_size) or prov.normalized_engine_config(job.spec, job.world_size)
+    chain.start_chain(session, job.id, "submit", {
         "spec": job.spec, "spec_sha256": prov.sha256_json(job.spec),
         "engine_config": engine, "engine_config_sha256": prov.sha256_json(engine) if engine is not None else None,
         "submitted_by": actor, "deepfleet_version": prov.deepfleet_version(),
         **({"resumed_from_job": source} if source is not None else {}),
-    }, time=now, new_job=True)
-    session.flush()  # the event and the first provenance record together
+    }, time=now)
     return job
 
 

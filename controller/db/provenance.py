@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from deepfleet.controller.db.models import Job, ProvenanceRecord, utcnow
@@ -30,32 +30,39 @@ def records(session: Session, job_id: str) -> list[ProvenanceRecord]:
 
 
 def append(session: Session, job_id: str, kind: str, data: dict[str, Any], *, attempt: int | None = None,
-           time: datetime | None = None, new_job: bool = False) -> ProvenanceRecord:
-    """Add the next record of the job's chain (committed with the caller's transaction).
-
-    `new_job`: the job row was added in this same transaction, so no other transaction can see it and
-    its chain is empty: the first record needs neither the row lock nor a read of the chain's head."""
+           time: datetime | None = None) -> ProvenanceRecord:
+    """Add the next record of the job's chain (flushed; committed with the caller's transaction)."""
     if kind not in KINDS:
         raise ValueError(f"provenance kind {kind!r} is not one of {', '.join(KINDS)}")
-    if new_job:
-        seq, prev = 0, GENESIS
-    else:
-        session.flush()
-        if session.get_bind().dialect.name == "postgresql":
-            session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
-        last = session.scalars(
-            select(ProvenanceRecord).where(ProvenanceRecord.job_id == job_id)
-            .order_by(ProvenanceRecord.seq.desc()).limit(1)
-        ).one_or_none()
-        seq, prev = (0, GENESIS) if last is None else (last.seq + 1, last.hash)
-    stamp = (time or utcnow()).isoformat()
-    row = ProvenanceRecord(job_id=job_id, seq=seq, kind=kind, attempt=attempt, time=stamp, data=data,
-                           prev_hash=prev, hash=record_hash(job_id=job_id, seq=seq, kind=kind, attempt=attempt,
-                                                            time=stamp, data=data, prev_hash=prev))
+    session.flush()
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(Job.id).where(Job.id == job_id).with_for_update())
+    last = session.scalars(
+        select(ProvenanceRecord).where(ProvenanceRecord.job_id == job_id)
+        .order_by(ProvenanceRecord.seq.desc()).limit(1)
+    ).one_or_none()
+    seq, prev = (0, GENESIS) if last is None else (last.seq + 1, last.hash)
+    row = ProvenanceRecord(**_record(job_id, seq, kind, attempt, time, data, prev))
     session.add(row)
-    if not new_job:
-        session.flush()
+    session.flush()
     return row
+
+
+def start_chain(session: Session, job_id: str, kind: str, data: dict[str, Any], *, time: datetime) -> None:
+    """The first record of a job whose row this same transaction inserted (and flushed): no other
+    transaction can see the job yet and its chain is empty, so neither the row lock nor a read of the
+    chain's head is needed, and one plain INSERT writes it."""
+    if kind not in KINDS:
+        raise ValueError(f"provenance kind {kind!r} is not one of {', '.join(KINDS)}")
+    session.execute(insert(ProvenanceRecord), [_record(job_id, 0, kind, None, time, data, GENESIS)])
+
+
+def _record(job_id: str, seq: int, kind: str, attempt: int | None, time: datetime | None, data: dict[str, Any],
+            prev: str) -> dict[str, Any]:
+    stamp = (time or utcnow()).isoformat()
+    return dict(job_id=job_id, seq=seq, kind=kind, attempt=attempt, time=stamp, data=data, prev_hash=prev,
+                hash=record_hash(job_id=job_id, seq=seq, kind=kind, attempt=attempt, time=stamp, data=data,
+                                 prev_hash=prev))
 
 
 def verify(session: Session, job_id: str) -> list[str]:
