@@ -111,6 +111,21 @@ def db_upgrade(
     raise typer.Exit(subprocess.call(argv))
 
 
+@db_app.command("rotate-keys")
+def db_rotate_keys(
+    database_url: Annotated[
+        str | None, typer.Option("--database-url", help="Default: DEEPFLEET_DATABASE_URL / DATABASE_URL.")
+    ] = None,
+) -> None:
+    """Re-encrypt every stored secret under DEEPFLEET_SECRET (reading the old ones under DEEPFLEET_OLD_SECRETS)."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "deepfleet.controller.db.keys"]
+    argv += ["--database-url", database_url] if database_url else []
+    raise typer.Exit(subprocess.call(argv))
+
+
 # Engine command lines, each run as its own process so the CLI stays torch-free (import contract):
 # (command, module, one-line help). Their options are the module's own (`deepfleet NAME --help`).
 ENGINE_COMMANDS: tuple[tuple[str, str, str], ...] = (

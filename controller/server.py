@@ -130,7 +130,8 @@ def build(settings: Settings, *, slots: int, workdir: Path | None = None, worker
         return app
     for backend, _ in enabled:  # local jobs' secret references read the store in the app's database
         if isinstance(backend, LocalBackend):
-            backend.secrets = secret_store.resolver(app.state.sessions, key_material=settings.secret.get_secret_value())
+            backend.secrets = secret_store.resolver(app.state.sessions, key_material=settings.secret.get_secret_value(),
+                                                    old=settings.old_secret_values())
     reconcilers = [
         Reconciler(app.state.sessions, backend=backend, config=ReconcilerConfig(
             replica_id=settings.replica_id, controller_url=settings.controller_url,

@@ -22,7 +22,7 @@ ENV_PREFIX = "DEEPFLEET_"
 ENV_ALIASES = {"DB_URL": "database_url", "BACKEND": "backends", "RECONCILE_INTERVAL": "reconcile_interval_s",
                "PUBLIC_URL": "controller_url"}
 
-_LISTS = {"backends", "local_env_passthrough", "factory_modules", "local_project_users"}  # comma-separated in the environment
+_LISTS = {"backends", "local_env_passthrough", "factory_modules", "local_project_users", "old_secrets"}  # comma-separated in the environment
 
 
 def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -61,6 +61,10 @@ class Settings(BaseModel):
     """Default lifetime of API tokens created through POST /v1/tokens; None: no expiry."""
     secret: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
     """Key of the job-scoped worker tokens (HMAC); set it explicitly when several replicas serve one DB."""
+    old_secrets: list[SecretStr] = []
+    """Earlier values of `secret`, newest first (comma-separated), kept during a rotation: job tokens made
+    under them still verify and stored secrets still decrypt until `deepfleet db rotate-keys` has
+    re-encrypted them and the jobs started before the rotation have ended (docs/security.md)."""
     admin_token: SecretStr | None = None
     """A bootstrap admin token ("dft_<id>_<secret>") ensured at start for `admin_project`."""
     admin_project: str = "default"
@@ -153,6 +157,10 @@ class Settings(BaseModel):
     def logs_root(self) -> Path:
         """The effective logs directory."""
         return self.logs_dir or self.data_dir / "logs"
+
+    def old_secret_values(self) -> tuple[str, ...]:
+        """`old_secrets` as plain strings (empty entries dropped)."""
+        return tuple(v for v in (s.get_secret_value().strip() for s in self.old_secrets) if v)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

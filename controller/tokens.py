@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 API_PREFIX = "dft_"
@@ -61,6 +62,7 @@ def job_token(secret: str, job_id: str) -> str:
     return JOB_PREFIX + digest[:40]
 
 
-def verify_job_token(secret: str, job_id: str, token: str) -> bool:
-    """True when `token` is `job_id`'s job token (constant-time comparison)."""
-    return hmac.compare_digest(job_token(secret, job_id), token)
+def verify_job_token(secret: str, job_id: str, token: str, *, old_secrets: Sequence[str] = ()) -> bool:
+    """True when `token` is `job_id`'s job token under `secret` or one of `old_secrets` (a rotation keeps
+    the jobs started before it working until they end); constant-time comparisons."""
+    return any([hmac.compare_digest(job_token(key, job_id), token) for key in (secret, *old_secrets)])

@@ -127,7 +127,10 @@ def serve(app: ASGIApp, *, fd: int | None = None, host: str = "127.0.0.1", port:
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=KEEP_ALIVE_S, **options)
-    uvicorn.Server(config).run(sockets=[inherited_socket(fd)] if fd is not None else None)
+    try:
+        uvicorn.Server(config).run(sockets=[inherited_socket(fd)] if fd is not None else None)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop, not a traceback
+        pass
 
 
 PARENT_ENV = "DEEPFLEET_API_PARENT_PID"

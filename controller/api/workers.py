@@ -37,7 +37,8 @@ def _worker_job(session: SessionDep, settings: SettingsDep, credentials: Credent
         raise unauthorized()
     token = credentials.credentials
     if token.startswith(JOB_PREFIX):
-        if not verify_job_token(settings.secret.get_secret_value(), job_id, token):
+        if not verify_job_token(settings.secret.get_secret_value(), job_id, token,
+                                old_secrets=settings.old_secret_values()):
             raise unauthorized("this job token is not valid for this job; use the DEEPFLEET_TOKEN given to it")
         job = session.get(Job, job_id)
         if job is not None and job.phase in TERMINAL_PHASES:

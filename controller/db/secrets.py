@@ -4,16 +4,18 @@ Used by the /v1/secrets API (set, list names, delete; `controller.api.secrets`) 
 local backend, which resolves a job's references when it starts the job's processes
 (`resolver`). Values are encrypted with Fernet (AES-128-CBC + HMAC-SHA256, from `cryptography`)
 under a key derived (HKDF-SHA256) from the controller's `DEEPFLEET_SECRET`, so a database dump or
-backup alone reveals nothing; changing that secret makes stored values unreadable (set them again).
+backup alone reveals nothing. To change that secret, list the previous one in `DEEPFLEET_OLD_SECRETS`
+(values then decrypt under either) and run `deepfleet db rotate-keys` (`rotate`), which re-encrypts
+every value under the new one; a value whose key is in neither is unreadable (set it again).
 Nothing here logs or returns a value except `read`, whose only caller hands it to the job's process.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from cryptography.fernet import Fernet, InvalidToken
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import select
@@ -34,6 +36,26 @@ def _box(key_material: str) -> Fernet:
     key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"deepfleet secret store v1").derive(
         key_material.encode())
     return Fernet(base64.urlsafe_b64encode(key))
+
+
+def _boxes(key_material: str, old: Sequence[str]) -> MultiFernet:
+    """Encrypts under `key_material`; decrypts under it or any of `old`."""
+    return MultiFernet([_box(key_material), *(_box(k) for k in old)])
+
+
+def rotate(session: Session, *, key_material: str, old: Sequence[str]) -> tuple[int, list[str]]:
+    """Re-encrypt every stored value (all projects) under `key_material`: (how many were rewritten, one line
+    per value none of the keys decrypts). The caller commits."""
+    boxes, rotated, unreadable = _boxes(key_material, old), 0, []
+    for row in session.scalars(select(StoredSecret).order_by(StoredSecret.project, StoredSecret.name)):
+        try:
+            row.ciphertext = boxes.rotate(row.ciphertext.encode()).decode()
+        except InvalidToken:
+            unreadable.append(f"secret {row.name!r} of project {row.project!r}: no key given decrypts it; set it "
+                              "again, or add the key it was stored under to DEEPFLEET_OLD_SECRETS")
+            continue
+        rotated += 1
+    return rotated, unreadable
 
 
 def put(session: Session, *, project: str, name: str, value: str, key_material: str, actor: str) -> bool:
@@ -68,24 +90,26 @@ def delete(session: Session, *, project: str, name: str) -> bool:
     return True
 
 
-def read(session: Session, *, project: str, name: str, key_material: str) -> str:
+def read(session: Session, *, project: str, name: str, key_material: str, old: Sequence[str] = ()) -> str:
     """The plain value. Raises SecretUnavailable."""
     row = session.get(StoredSecret, (project, name))
     if row is None:
         raise SecretUnavailable(f"secret {name!r} is not in project {project!r}'s secret store; set it with "
                                 f"`deepfleet secret set {name}`")
     try:
-        return _box(key_material).decrypt(row.ciphertext.encode()).decode()
+        return _boxes(key_material, old).decrypt(row.ciphertext.encode()).decode()
     except InvalidToken:
         raise SecretUnavailable(f"secret {name!r} of project {project!r} cannot be decrypted (DEEPFLEET_SECRET "
-                                f"changed since it was set); set it again") from None
+                                f"changed since it was set); set it again, or list the earlier secret in "
+                                f"DEEPFLEET_OLD_SECRETS") from None
 
 
-def resolver(sessions: sessionmaker[Session], *, key_material: str) -> Callable[[str, str], str]:
+def resolver(sessions: sessionmaker[Session], *, key_material: str,
+             old: Sequence[str] = ()) -> Callable[[str, str], str]:
     """`(project, name) -> value` for the local backend; raises SecretUnavailable."""
 
     def resolve(project: str, name: str) -> str:
         with sessions() as s:
-            return read(s, project=project, name=name, key_material=key_material)
+            return read(s, project=project, name=name, key_material=key_material, old=old)
 
     return resolve

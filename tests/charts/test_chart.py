@@ -262,3 +262,19 @@ def test_the_api_network_policy_admits_the_workers_and_the_listed_peers() -> Non
     assert not allowed("other", worker) and not allowed("training", {"app": "x"})
     assert allowed("ingress-nginx", {"app": "controller"})
     assert not by_kind(render_defaults(), "NetworkPolicy")
+
+
+def test_api_processes_and_old_secrets_reach_the_controller() -> None:
+    from deepfleet.controller.settings import Settings
+
+    docs = render(DEFAULT, extra=("--set", "config.apiProcesses=3", "--set", "config.oldSecrets.secretName=rot"))
+    (cm,) = by_kind(docs, "ConfigMap")
+    assert Settings.from_env(cm["data"]).api_processes == 3
+    (deploy,) = by_kind(docs, "Deployment")
+    (ctr,) = deploy["spec"]["template"]["spec"]["containers"]
+    old = next(e for e in ctr["env"] if e["name"] == "DEEPFLEET_OLD_SECRETS")
+    assert old["valueFrom"]["secretKeyRef"] == {"name": "rot", "key": "old-secrets"}
+    (plain,) = by_kind(render(DEFAULT), "Deployment")
+    assert "DEEPFLEET_OLD_SECRETS" not in {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]}
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)

@@ -72,6 +72,13 @@ app.kubernetes.io/component: controller
     secretKeyRef:
       name: {{ include "deepfleet.dbSecretName" . }}
       key: {{ .Values.database.jobTokenKeySecretKey }}
+{{- with .Values.config.oldSecrets }}{{ if .secretName }}
+- name: DEEPFLEET_OLD_SECRETS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secretName }}
+      key: {{ .key }}
+{{- end }}{{ end }}
 {{- end -}}
 
 {{- define "deepfleet.adminEnv" -}}
