@@ -42,10 +42,10 @@ import sys
 from deepfleet.controller.app import create_app
 from deepfleet.controller.api.load import ApiProcesses, serve, with_api_processes
 from deepfleet.controller.settings import Settings
-data_dir, url, admin, fd, processes = sys.argv[1:6]
-child = len(sys.argv) > 6
+data_dir, url, admin, fd, processes, inflight = sys.argv[1:7]
+child = len(sys.argv) > 7
 settings = Settings(data_dir=data_dir, database_url=url, migrate_on_start=False, admin_token=None if child else admin,
-                    admin_project="research", api_processes=int(processes))
+                    admin_project="research", api_processes=int(processes), max_inflight_requests=int(inflight))
 app = create_app(settings)
 if settings.api_processes > 1 and not child:
     with_api_processes(app, ApiProcesses([sys.executable, *sys.argv, "child"],
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=10_000, help="jobs in the table before the read phase")
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--reads", type=int, default=200, help="requests per reader")
-    parser.add_argument("--api-processes", type=int, default=2, help="server processes on the socket "
+    parser.add_argument("--max-inflight", type=int, default=12, help="the server's max_inflight_requests, shared by its processes")
+    parser.add_argument("--api-processes", type=int, default=3, help="server processes on the socket "
                         "(`deepfleet server --api-processes`)")
     args = parser.parse_args(argv)
     if args.database_url:
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         script = Path(tmp) / "server.py"
         script.write_text(SERVER)
         server = subprocess.Popen([sys.executable, str(script), tmp, url, ADMIN, str(sock.fileno()),
-                                   str(args.api_processes)],
+                                   str(args.api_processes), str(args.max_inflight)],
                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, pass_fds=(sock.fileno(),))
         sock.close()  # the server holds its own copy
         base = f"http://127.0.0.1:{port}"
