@@ -1,4 +1,5 @@
-"""Parameter-major flat storage for ZeRO stages 1 and 2 on gloo (caller: `zero/partitioned.py`).
+"""Parameter-major flat storage for ZeRO stages 1 and 2 on gloo (callers: `zero/partitioned.py`,
+`zero/stage1.py`, `zero/boundary.py`).
 
 On gloo, `zero/layout.py` carries reduce-scatters and all-gathers as all-reduces (gloo's all-reduce is
 the fastest of its collectives here). An all-reduce is elementwise, so it does not need the rank-major
@@ -10,9 +11,11 @@ in registration order (`flatten`), and
   parameter and all-reduces the parameters' own buffer, chunk by chunk: each element is its owner's
   value plus zeros, so every rank gets the exact updated parameters with no flat copy, no unpack and no
   transient buffer (the rank-major path packs a segment, zero-fills a full flat buffer and unpacks it);
-- stage 1 (`reduce_grads_in_place`) copies each full gradient into a chunk of a param-major buffer and
+- stage 1 (`reduce_chunk`) copies each full gradient into a chunk of a param-major buffer and
   points `p.grad` at its view (fp32), releasing the old gradient, then all-reduces the chunk in place:
-  the optimizer's rows are views of the reduced `p.grad`, with no landing copy and no copy back.
+  the optimizer's rows are views of the reduced `p.grad`, with no landing copy and no copy back. The
+  chunks are reduced after backward (`reduce_grads_in_place`) or, with `overlap_comm`, from backward
+  hooks as each chunk's gradients become final (`zero/boundary.py`); both cut the same chunks.
 
 Chunks hold consecutive parameters of at most the bucket size in elements (a larger parameter alone), so
 message sizes stay bounded as with `reduce_bucket_size` / `allgather_bucket_size`. `torch.distributed`
@@ -118,6 +121,40 @@ class GradChunk:
             self.work = None
 
 
+def reduce_chunk(
+    run: ParamRun,
+    chunk: Sequence[Member],
+    params: Sequence[torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    async_op: bool,
+    staged: Callable[[torch.Tensor], None] = lambda flat: None,
+) -> GradChunk:
+    """SUM-all-reduce the full gradients of one chunk of `run`'s parameters over its group, in `dtype`.
+    A parameter whose gradient has that dtype ends up with `p.grad` a view of the reduced chunk (its old
+    gradient released as it is copied in); a parameter without a gradient is reduced as zeros (and gets
+    one). `staged(flat)` is called before the reduction is issued, while the chunk is at its largest;
+    with `async_op` the caller waits on the returned chunk."""
+    with torch.no_grad():
+        numel = sum(m.numel for m in chunk)
+        flat = torch.empty(numel, dtype=dtype, device=run.buffer.device)
+        views, offset = [], 0
+        for m in chunk:
+            p = params[m.index]
+            view = flat.narrow(0, offset, m.numel).view_as(p)
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            if p.dtype == dtype:
+                p.grad = view
+            views.append((m.index, view))
+            offset += m.numel
+        staged(flat)
+        work = comm.all_reduce_gradients(flat, group=run.group, async_op=async_op)
+    return GradChunk(work if async_op else None, flat, views)
+
+
 def reduce_grads_in_place(
     run: ParamRun,
     params: Sequence[torch.Tensor],
@@ -127,27 +164,7 @@ def reduce_grads_in_place(
     async_op: bool,
     staged: Callable[[torch.Tensor], None] = lambda flat: None,
 ) -> Iterator[GradChunk]:
-    """SUM-all-reduce the full gradients of `run`'s parameters over its group, chunk by chunk, in `dtype`.
-    A parameter whose gradient has that dtype ends up with `p.grad` a view of the reduced chunk (its old
-    gradient released as it is copied in); a parameter without a gradient is reduced as zeros (and gets
-    one). Each chunk is yielded once issued (`staged(flat)` is called first, while the chunk is at its
-    largest); with `async_op` the caller waits on it."""
-    with torch.no_grad():
-        for chunk in chunks(run.members, bound):
-            numel = sum(m.numel for m in chunk)
-            flat = torch.empty(numel, dtype=dtype, device=run.buffer.device)
-            views, offset = [], 0
-            for m in chunk:
-                p = params[m.index]
-                view = flat.narrow(0, offset, m.numel).view_as(p)
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad)
-                if p.dtype == dtype:
-                    p.grad = view
-                views.append((m.index, view))
-                offset += m.numel
-            staged(flat)
-            work = comm.all_reduce_gradients(flat, group=run.group, async_op=async_op)
-            yield GradChunk(work if async_op else None, flat, views)
+    """`reduce_chunk` over every chunk of `run` (`chunks(run.members, bound)`), in registration order;
+    each chunk is yielded once issued."""
+    for chunk in chunks(run.members, bound):
+        yield reduce_chunk(run, chunk, params, dtype=dtype, async_op=async_op, staged=staged)

@@ -1,9 +1,9 @@
 """Overflow agreement and global-norm clipping, written once for every ZeRO strategy.
 
-Callers: `zero/ddp.py` (stage 0), `zero/partitioned.py` (stages 1 and 2) and `zero/fsdp.py` (stage 3),
-from their `finish_gradients` and `clip_grad_norm_`. Each stage holds its gradients differently — whole
-replicated tensors (stage 0), this rank's rows as `DTensor` `Shard(0)` views (stages 1/2), FSDP2's
-`DTensor` shards (stage 3) — and these two functions take all of them:
+Callers: `zero/ddp.py` (stage 0), `zero/stage1.py` and `zero/partitioned.py` (stages 1 and 2) and
+`zero/fsdp.py` (stage 3), from their `finish_gradients` and `clip_grad_norm_`. Each stage holds its
+gradients differently — whole replicated tensors (stage 0), this rank's rows as `DTensor` `Shard(0)`
+views (stages 1/2), FSDP2's `DTensor` shards (stage 3) — and these two functions take all of them:
 
 - a plain tensor is *whole*: every rank that passes it holds the same complete gradient, so its
   squares count once, with no communication;
