@@ -328,7 +328,7 @@ def engine_batches(world_size: int) -> list[dict[str, torch.Tensor]]:
     return [global_batch("gpt", 2 * MICRO * world_size, seed=10 + step) for step in range(2)]
 
 
-def _through_engine(rank: int, world_size: int, stage: int) -> dict:
+def _through_engine(rank: int, world_size: int, stage: int, overlap: bool = False) -> dict:
     """Two optimizer steps through `deepfleet.engine.initialize`: accumulation over 2 micro-steps,
     clipping, AdamW; the engine picks the stage's strategy from the config."""
     import deepfleet.engine as deepfleet
@@ -338,7 +338,8 @@ def _through_engine(rank: int, world_size: int, stage: int) -> dict:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 2,
         "gradient_clipping": MAX_NORM,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
+                              "overlap_comm": overlap},
     }
     engine, *_ = deepfleet.initialize(
         model=model,
@@ -403,6 +404,8 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
             out[f"clip{stage}"] = _one_step(rank, world_size, "gpt", stage, MAX_NORM)
             out[f"overflow{stage}"] = _overflow(rank, world_size, stage)
             out[f"engine{stage}"] = _through_engine(rank, world_size, stage)
+            if stage == 1:  # the boundary reduced during backward (zero/boundary.py)
+                out["engine1-overlap"] = _through_engine(rank, world_size, stage, overlap=True)
         else:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
             if stage == 2:
