@@ -39,7 +39,11 @@ MODEL_SIZES = {
 }
 
 
-def bench_config(stage: int, *, micro_batch: int, torch_adam: bool, bf16: bool) -> dict:
+def bench_config(stage: int, *, micro_batch: int, torch_adam: bool, bf16: bool, overlap_comm: bool | None = None,
+                 reduce_bucket_size: float = 5e7) -> dict:
+    zero: dict = {"stage": stage, "reduce_bucket_size": reduce_bucket_size, "allgather_bucket_size": 5e7}
+    if overlap_comm is not None:  # unset: each engine's default (true at stage 3 only, in both)
+        zero["overlap_comm"] = overlap_comm
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -50,7 +54,7 @@ def bench_config(stage: int, *, micro_batch: int, torch_adam: bool, bf16: bool) 
         },
         "gradient_clipping": 1.0,
         "bf16": {"enabled": bf16},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7},
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
 
@@ -151,6 +155,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--fused-adam", action="store_true", help="let each engine pick its own AdamW kernel")
+    ap.add_argument("--overlap-comm", choices=["default", "true", "false"], default="default",
+                    help="zero_optimization.overlap_comm for both engines (default: leave it unset)")
+    ap.add_argument("--reduce-bucket-size", type=float, default=5e7,
+                    help="zero_optimization.reduce_bucket_size in elements, for both engines")
     ap.add_argument("--profile", action="store_true",
                     help="rank 0 prints torch.profiler's op table over the timed steps to stderr")
     args = ap.parse_args()
@@ -166,7 +174,9 @@ def main() -> None:
     deepspeed, cfg, model = start_rank(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     n_params = sum(p.numel() for p in model.parameters())
-    config = bench_config(args.stage, micro_batch=args.micro_batch, torch_adam=not args.fused_adam, bf16=args.bf16)
+    overlap = {"default": None, "true": True, "false": False}[args.overlap_comm]
+    config = bench_config(args.stage, micro_batch=args.micro_batch, torch_adam=not args.fused_adam, bf16=args.bf16,
+                          overlap_comm=overlap, reduce_bucket_size=args.reduce_bucket_size)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     data = SyntheticTokens(num_samples=args.micro_batch * world * (args.steps + args.warmup), seq_len=args.seq,

@@ -37,7 +37,7 @@ from deepfleet.engine.zero.nvme import check_before_build, offload_strategy
 # zero_optimization.stage -> the strategy class ("module:Class"), imported only when used.
 STRATEGIES: dict[int, str] = {
     0: "deepfleet.engine.zero.ddp:DDPStrategy",
-    1: "deepfleet.engine.zero.partitioned:ZeroStage1",
+    1: "deepfleet.engine.zero.stage1:ZeroStage1",
     2: "deepfleet.engine.zero.partitioned:ZeroStage2",
     3: "deepfleet.engine.zero.fsdp:FSDPStrategy",
 }

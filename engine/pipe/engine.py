@@ -98,7 +98,9 @@ class PipelineEngine(DeepFleetEngine):
         self.module.train()
         gas = self.config.gradient_accumulation_steps
         args, target = self._next_batch(data_iter, gas)
-        self.sharding.set_gradient_sync(True)
+        # The schedule runs every micro-batch's backward inside one call, so no backward is the window's
+        # last one to the strategy: it reduces in finish_gradients (stage 2, by default, on every backward).
+        self.sharding.set_gradient_sync(False)
         losses: list[torch.Tensor] = []
         with self._recorder.timed("forward"), self._counting("forward"):
             self._schedule.step(*args, target=target, losses=losses if self._holds_last else None,

@@ -2,8 +2,8 @@
 
 `engine/build.py` picks the strategy for `zero_optimization.stage` and `engine/engine.py` drives it
 through these methods only, so the engine never branches on the stage. Implementations:
-stage 0 `zero/ddp.py` (DDP), stages 1 and 2 `zero/partitioned.py` (our flat-buffer partitioning),
-stage 3 `zero/fsdp.py` (FSDP2). `engine/checkpoint/` saves and loads through `state_dict()` /
+stage 0 `zero/ddp.py` (DDP), stages 1 and 2 `zero/stage1.py` and `zero/partitioned.py` (our
+flat-buffer partitioning), stage 3 `zero/fsdp.py` (FSDP2). `engine/checkpoint/` saves and loads through `state_dict()` /
 `load_state_dict()`; `engine/memory.py` accounts memory through `model_state_tensors()`.
 """
 

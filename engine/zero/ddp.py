@@ -21,6 +21,7 @@ module's own parameters and cannot see fp32 masters, and one path for fp32 and 1
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -31,7 +32,6 @@ from deepfleet.engine import comm
 from deepfleet.engine.autotp import tp_shard
 from deepfleet.engine.moe.groups import expert_groups
 from deepfleet.engine.zero.gradients import (
-    any_nonfinite,
     clip_to_norm_,
     split_global_norm,
     tensor_parallel_norm,
@@ -92,6 +92,7 @@ class DDPStrategy:
 
     _tp: list[int] = []  # indices of tensor-parallel shares (none for subclasses that skip __init__)
     _tp_group: Any = None
+    _norm: float | None = None  # the global gradient norm finish_gradients took (clip_grad_norm_ uses it)
 
     def __init__(
         self,
@@ -180,9 +181,15 @@ class DDPStrategy:
             grads.append(m.grad)
         if grads and grad_scale != 1.0:
             torch._foreach_div_(grads, grad_scale)
-        # Gradients are identical after the all-reduce, but agree explicitly so a rank whose
-        # gradients were altered after the reduction cannot step alone.
-        return any_nonfinite(grads, None if self._tp else self._group)  # None: every rank
+        # The global norm is needed anyway (clip_grad_norm_ reports it) and is nonfinite exactly when
+        # some gradient holds inf/nan (zero/gradients.py), so it is taken here and read for overflow: no
+        # separate pass over every gradient. Gradients are identical after the all-reduce, but one
+        # element is agreed explicitly so a rank whose gradients were altered after the reduction
+        # cannot step alone.
+        self._norm = self._global_norm()
+        flag = torch.tensor([0.0 if math.isfinite(self._norm) else 1.0])
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX, group=None if self._tp else self._group)  # None: every rank
+        return bool(flag.item() > 0)
 
     def _reduce_experts(self) -> None:
         """Average expert gradients over their expert-data-parallel group (in fp32), in the 16-bit
@@ -198,18 +205,21 @@ class DDPStrategy:
                 comm.all_reduce(wide, group=self._ep.dp_group)
                 p.grad.copy_(wide.div_(self._ep.dp_size))
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def _global_norm(self) -> float:
         # Dense gradients are whole on every rank; expert gradients are whole per ep rank, different
         # across the ep group (zero/gradients.py sums them there). On the steps a 1-bit optimizer keeps
         # gradients local, it is this rank's local norm.
         experts = set(self._experts)
         dense = [m.grad for i, m in enumerate(self._masters) if m.grad is not None and i not in experts]
         expert = [self._masters[i].grad for i in self._experts if self._masters[i].grad is not None]
-        grads = dense + expert
         norm = float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
-        norm = tensor_parallel_norm(norm, [self._masters[i].grad for i in self._tp if self._masters[i].grad is not None],
+        return tensor_parallel_norm(norm, [self._masters[i].grad for i in self._tp if self._masters[i].grad is not None],
                                     self._tp_group)
-        clip_to_norm_(grads, max_norm, norm=norm)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        norm = self._norm if self._norm is not None else self._global_norm()  # finish_gradients took it
+        self._norm = None
+        clip_to_norm_([m.grad for m in self._masters if m.grad is not None], max_norm, norm=norm)
         return norm
 
     def after_optimizer_step(self) -> None:
@@ -220,6 +230,7 @@ class DDPStrategy:
                 p.copy_(m)
 
     def zero_grad(self) -> None:
+        self._norm = None
         # In place, so gradients stay views into DDP's buckets.
         for p in self._params:
             if p.grad is not None:

@@ -25,6 +25,7 @@ all-gather casts to the compute dtype, and gradients are reduced in fp32 (gloo w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from deepfleet.engine.blocks import shard_units
 from deepfleet.engine.moe.groups import expert_groups, moe_layers
 from deepfleet.engine.zero.construction import adopt_into_fsdp, partitioned_params
 from deepfleet.engine.zero.fsdp_collectives import CompressedReduceScatter, RingReduceScatter
-from deepfleet.engine.zero.gradients import any_nonfinite, clip_to_norm_, split_global_norm
+from deepfleet.engine.zero.gradients import clip_to_norm_, split_global_norm
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,6 +50,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class FSDPStrategy:
     """Stage 3 (see module docstring)."""
+
+    _norm: float | None = None  # the global gradient norm finish_gradients took (clip_grad_norm_ uses it)
 
     def __init__(
         self,
@@ -138,21 +141,30 @@ class FSDPStrategy:
         grads = self._local_grads()
         if grads and grad_scale != 1.0:
             torch._foreach_div_(grads, grad_scale)
-        return any_nonfinite(grads, self._group)
+        # The global norm is needed anyway (clip_grad_norm_ reports it); it is nonfinite on every rank
+        # exactly when some rank's shards hold inf/nan, so its all-reduce is also the overflow agreement
+        # (zero/gradients.py): no separate pass over every gradient and no extra collective.
+        self._norm = self._global_norm()
+        return not math.isfinite(self._norm)
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def _global_norm(self) -> float:
         # DTensor shards: their squares are summed over each mesh (one all-reduce per mesh); expert
         # shards' squares also over the expert-parallel group (each ep rank holds other experts).
         dense = [p.grad for n, p in self._params.items() if p.grad is not None and n not in self._expert_names]
         expert = [p.grad for n, p in self._params.items() if p.grad is not None and n in self._expert_names]
-        norm = float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
-        clip_to_norm_(dense + expert, max_norm, norm=norm)
+        return float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        norm = self._norm if self._norm is not None else self._global_norm()  # finish_gradients took it
+        self._norm = None
+        clip_to_norm_([p.grad for p in self._params.values() if p.grad is not None], max_norm, norm=norm)
         return norm
 
     def after_optimizer_step(self) -> None:
         """Nothing to publish: the next forward all-gathers (and casts) the updated shards."""
 
     def zero_grad(self) -> None:
+        self._norm = None
         for p in self._params.values():
             p.grad = None
 

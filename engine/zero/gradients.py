@@ -1,9 +1,9 @@
 """Overflow agreement and global-norm clipping, written once for every ZeRO strategy.
 
-Callers: `zero/ddp.py` (stage 0), `zero/partitioned.py` (stages 1 and 2) and `zero/fsdp.py` (stage 3),
-from their `finish_gradients` and `clip_grad_norm_`. Each stage holds its gradients differently — whole
-replicated tensors (stage 0), this rank's rows as `DTensor` `Shard(0)` views (stages 1/2), FSDP2's
-`DTensor` shards (stage 3) — and these two functions take all of them:
+Callers: `zero/ddp.py` (stage 0), `zero/stage1.py` and `zero/partitioned.py` (stages 1 and 2) and
+`zero/fsdp.py` (stage 3), from their `finish_gradients` and `clip_grad_norm_`. Each stage holds its
+gradients differently — whole replicated tensors (stage 0), this rank's rows as `DTensor` `Shard(0)`
+views (stages 1/2), FSDP2's `DTensor` shards (stage 3) — and these two functions take all of them:
 
 - a plain tensor is *whole*: every rank that passes it holds the same complete gradient, so its
   squares count once, with no communication;
@@ -14,7 +14,9 @@ replicated tensors (stage 0), this rank's rows as `DTensor` `Shard(0)` views (st
 Where the norm is taken anyway (it always is: `clip_grad_norm_` reports it even without clipping),
 a strategy may take it first and read overflow from it — the norm is nonfinite exactly when some
 element is (or when the squares overflow fp32, an update no step should apply) — which saves the
-per-tensor `isfinite` pass and its all-reduce (stages 1/2 do; `clip_to_norm_` then clips with it).
+per-tensor `isfinite` pass (every stage does; `clip_to_norm_` then clips with it). Stages 1-3 reduce
+the norm over their shards, so that all-reduce is also the agreement; stage 0, whose norm needs no
+communication, agrees on one element. `any_nonfinite` stays for callers without a norm.
 DeepSpeed's stage 1/2 in fp32 also runs no separate overflow check and reads an invalid norm as one.
 
 `torch.nn.utils.clip_grad_norm_` would also handle DTensors, but it reduces every sharded tensor's

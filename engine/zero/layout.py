@@ -1,4 +1,5 @@
-"""Partition layout and bucketed collectives for ZeRO stages 1 and 2 (caller: `zero/partitioned.py`).
+"""Partition layout and bucketed collectives for ZeRO stages 1 and 2 (callers: `zero/partitioned.py`,
+`zero/stage1.py`).
 
 Every parameter is sharded on dim 0, the layout FSDP2 uses at stage 3 and `DTensor` uses for `Shard(0)`:
 a parameter with `d` rows is padded to `N * c` rows, `c = ceil(d / N)`, and rank `r` owns rows

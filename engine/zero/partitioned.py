@@ -1,6 +1,7 @@
 """ZeRO stages 1 and 2: parameters replicated on every rank; optimizer state (stage 1) and also
 gradients (stage 2) partitioned across each parameter's data-parallel group. Built by `engine/build.py`
 through the `StrategyFactory` signature and driven by `engine/engine.py` through the `ZeroStrategy` methods.
+This module holds what both share (`_Partitioned`) and stage 2; stage 1 is `zero/stage1.py`.
 
 Why our own: PyTorch has no replicated-parameter / partitioned-gradient strategy. FSDP2 with
 `reshard_after_forward=False` still keeps parameters sharded between steps (ZeRO-3 memory, not ZeRO-2),
@@ -39,9 +40,9 @@ buffers of at most `reduce_bucket_size` elements exist while a bucket is reduced
 with `overlap_comm`), each released as its reduction lands.
 
 Step protocol, per optimizer step:
-  stage 1: micro-steps accumulate full `p.grad` with no communication; `finish_gradients` reduces
-           bucket by bucket (chunk by chunk on gloo) into this rank's rows (with `overlap_comm`, packing
-           the next one while the previous one is in flight).
+  stage 1: micro-steps accumulate full `p.grad` with no communication; the boundary reduces bucket by
+           bucket (chunk by chunk on gloo) into this rank's rows: in `finish_gradients`, or with
+           `overlap_comm` on gloo from hooks during the boundary backward (`zero/stage1.py`).
   stage 2: on every micro-step (DeepSpeed's semantics: stage 2 is the memory stage) a
            post-accumulate-grad hook packs each final gradient into its bucket's flat buffer and frees
            `p.grad`; a full bucket launches a reduce-scatter (async with `overlap_comm`) that adds into
@@ -80,7 +81,7 @@ from deepfleet.engine import comm
 from deepfleet.engine.autotp import tp_shard
 from deepfleet.engine.moe.groups import expert_groups
 from deepfleet.engine.zero import gradients
-from deepfleet.engine.zero.flat import GradChunk, ParamRun, flatten, gather_in_place, reduce_grads_in_place
+from deepfleet.engine.zero.flat import GradChunk, ParamRun, flatten, gather_in_place
 from deepfleet.engine.zero.gradients import clip_to_norm_, global_norm, split_global_norm
 from deepfleet.engine.zero.layout import (
     Bucket,
@@ -243,6 +244,17 @@ class _Partitioned(ABC):
     @abstractmethod
     def _on_layout(self) -> None:
         """Set up the subclass's state that depends on the buckets (called at the end of `_lay_out`)."""
+
+    def _hook_gradients(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        """Make `hook` every trainable parameter's post-accumulate-grad hook (None: no hook). A model handed
+        to a second strategy (initialize called again) must not keep feeding the first one: its hook
+        would reduce the gradient or free p.grad before ours runs."""
+        for p in self._params:
+            previous = _GRAD_HOOKS.pop(p, None)
+            if previous is not None:
+                previous.remove()
+            if hook is not None:
+                _GRAD_HOOKS[p] = p.register_post_accumulate_grad_hook(hook)
 
     def _mesh(self, pg: dist.ProcessGroup | None) -> DeviceMesh:
         key = id(pg)
@@ -598,91 +610,6 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-class ZeroStage1(_Partitioned):
-    """ZeRO stage 1: optimizer state partitioned; full gradients kept, reduce-scattered at the boundary."""
-
-    holds_grad_shards = False
-
-    def _on_layout(self) -> None:
-        """Stage 1 keeps no per-bucket state between calls."""
-
-    def _reduce(self) -> None:
-        # Per process group, buckets in order: on gloo in place (zero/flat.py), elsewhere rank-major.
-        # With overlap_comm, the next chunk or bucket is packed while the previous one is in flight (two
-        # flat buffers at most); without, each flat is released before the next exists.
-        with torch.no_grad():
-            for q, queue in enumerate(self._queues):
-                if on_gloo(self._order[q]):
-                    self._reduce_in_place(self._order[q])
-                else:
-                    self._reduce_rank_major(queue)
-
-    def _reduce_in_place(self, pg: dist.ProcessGroup | None) -> None:
-        for run in self._param_runs:
-            if run.group is not pg:
-                continue
-            chunks = reduce_grads_in_place(
-                run, self._params, bound=self._reduce_numel, dtype=_MASTER_DTYPE, async_op=self.overlap_comm,
-                staged=self._stage_flat,
-            )
-            for chunk in chunks:
-                self._staged = []
-                self._grad_chunks.append(chunk)
-                while len(self._grad_chunks) > 1:
-                    self._land_chunk(self._grad_chunks.pop(0))
-        while self._grad_chunks:
-            self._land_chunk(self._grad_chunks.pop(0))
-
-    def _stage_flat(self, flat: torch.Tensor) -> None:
-        self._staged = [flat]
-        self._probe("reduce")
-
-    def _land_chunk(self, chunk: GradChunk) -> None:
-        """fp32: p.grad already is the reduced chunk's view; 16-bit: copy this rank's rows into the fp32
-        gradient shards (p.grad stays the 16-bit gradient)."""
-        chunk.wait()
-        if self._grad_segments:
-            for i, view in chunk.views:
-                self._local_grad(i).copy_(local_rows(view, self._slots[i]))
-
-    def _reduce_rank_major(self, queue: list[int]) -> None:
-        landed: list[tuple[Landing, int, torch.Tensor]] = []
-        for b in queue:
-            bucket = self._reduce_buckets[b]
-            flat = torch.empty(bucket.flat_numel, dtype=_MASTER_DTYPE, device=bucket.params[0].device)
-            for s, p in enumerate(bucket.params):
-                bucket.pack(flat, s, p.grad)
-            # 16-bit: reduce straight into the fp32 shards; fp32: into a segment copied into p.grad
-            segment = (
-                self._grad_segments[b]
-                if self._grad_segments
-                else torch.empty(bucket.segment_numel, dtype=_MASTER_DTYPE, device=flat.device)
-            )
-            self._staged = [flat, segment]
-            self._probe("reduce")
-            landing = reduce_scatter(bucket, flat, segment, async_op=self.overlap_comm)
-            del flat
-            self._staged = []
-            self._track(landing)
-            landed.append((landing, b, segment))
-            while landed and landed[0][0].done:
-                self._land(*landed.pop(0))
-        self._drain()
-        for item in landed:
-            self._land(*item)
-
-    def _land(self, landing: Landing, b: int, segment: torch.Tensor) -> None:
-        """In fp32 mode copy this rank's reduced rows into p.grad, where the optimizer's views point."""
-        landing.wait()
-        if self._grad_segments:
-            return
-        bucket = self._reduce_buckets[b]
-        for s, p in enumerate(bucket.params):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            local_rows(p.grad, bucket.slots[s]).copy_(bucket.segment_view(segment, s))
-
-
 class ZeroStage2(_Partitioned):
     """ZeRO stage 2: optimizer state and gradients partitioned; gradients are reduce-scattered bucket by
     bucket during every micro-step's backward (or only the boundary's, with local accumulation) and full
@@ -703,13 +630,7 @@ class ZeroStage2(_Partitioned):
         )
         self.local_accumulation = bool(getattr(zero_config, "deepfleet_local_grad_accumulation", False))
         self._callback_queued = False
-        for p in self._params:
-            # A model handed to a second strategy (initialize called again) must not keep feeding the
-            # first one: its hook would pack the gradient and free p.grad before ours runs.
-            previous = _GRAD_HOOKS.get(p)
-            if previous is not None:
-                previous.remove()
-            _GRAD_HOOKS[p] = p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hook_gradients(self._on_grad_ready)
 
     def _on_layout(self) -> None:
         n = len(self._reduce_buckets)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from deepfleet.engine.config_zero import ZeroConfig
-from deepfleet.engine.zero.partitioned import ZeroStage1, ZeroStage2
+from deepfleet.engine.zero.partitioned import ZeroStage2
+from deepfleet.engine.zero.stage1 import ZeroStage1
 from examples.gpt.model import GPTConfig, GPTWithLoss, SyntheticTokens
 
 STAGES = {1: ZeroStage1, 2: ZeroStage2}

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from deepfleet.engine import comm as engine_comm
 from deepfleet.engine.zero.flat import chunks
 from deepfleet.engine.zero.layout import all_gather_params, build_buckets
 from tests.engine.partitioned_cases import (
@@ -94,10 +95,19 @@ def _layout_round_trip(rank: int, world_size: int) -> bool:
     return len(buckets) > 1 and all(torch.equal(p, o) for p, o in zip(params, originals, strict=True))
 
 
-def _accumulate(rank: int, world_size: int, stage: int, local: bool = False) -> dict:
-    """Two micro-steps; `local` is stage 2's deepfleet_local_grad_accumulation."""
-    # overlap_comm off (DeepSpeed's default at stages 1/2): the step tests cover the async path
-    model, strategy, optimizer = build("gpt", stage, overlap=False, local_accumulation=local)
+def _all_reduces() -> tuple[int, int]:
+    """(count, bytes) of the all-reduces engine/comm.py has issued on this rank so far."""
+    entry = engine_comm.counters().get("all_reduce")
+    return (entry.count, entry.bytes) if entry is not None else (0, 0)
+
+
+def _accumulate(rank: int, world_size: int, stage: int, local: bool = False, overlap: bool = False) -> dict:
+    """Two micro-steps; `local` is stage 2's deepfleet_local_grad_accumulation. overlap_comm is off by
+    default (DeepSpeed's default at stages 1/2; the step tests cover the async path); on, stage 1
+    reduces during the boundary backward. `before_embedding` counts the all-reduces engine/comm.py had
+    issued in the boundary backward when the token embedding's gradient (one of the last backward
+    computes: the embedding is the first layer) was produced."""
+    model, strategy, optimizer = build("gpt", stage, overlap=overlap, local_accumulation=local)
     batch = rank_slice(global_batch("gpt", 2 * MICRO * world_size), rank, world_size)
     halves = [{k: v[m * MICRO : (m + 1) * MICRO] for k, v in batch.items()} for m in range(2)]
     counts = []
@@ -106,9 +116,14 @@ def _accumulate(rank: int, world_size: int, stage: int, local: bool = False) -> 
         (model(halves[0]) / 2).backward()
     counts.append(comm.get_total_counts())
     strategy.set_gradient_sync(True)
+    start = _all_reduces()
+    before_embedding: list[int] = []
+    hook = model.gpt.tok.weight.register_hook(lambda g: before_embedding.append(_all_reduces()[0] - start[0]))
     with CommDebugMode() as comm:
         (model(halves[1]) / 2).backward()
     counts.append(comm.get_total_counts())
+    hook.remove()
+    boundary_bytes = _all_reduces()[1] - start[1]
     full_grads_left = sum(p.grad is not None for p in model.parameters())
     with CommDebugMode() as comm:
         strategy.finish_gradients(grad_scale=1.0)
@@ -117,6 +132,9 @@ def _accumulate(rank: int, world_size: int, stage: int, local: bool = False) -> 
     strategy.after_optimizer_step()
     return {
         "counts": counts,
+        "before_embedding": before_embedding,
+        "boundary_bytes": boundary_bytes,
+        "numel": sum(p.numel() for p in model.parameters()),
         "buckets": len(strategy._reduce_buckets),
         # stage 1 on gloo reduces param-major chunks in place (zero/flat.py), not rank-major buckets
         "chunks": sum(len(list(chunks(run.members, strategy._reduce_numel))) for run in strategy._param_runs),
@@ -310,7 +328,7 @@ def engine_batches(world_size: int) -> list[dict[str, torch.Tensor]]:
     return [global_batch("gpt", 2 * MICRO * world_size, seed=10 + step) for step in range(2)]
 
 
-def _through_engine(rank: int, world_size: int, stage: int) -> dict:
+def _through_engine(rank: int, world_size: int, stage: int, overlap: bool = False) -> dict:
     """Two optimizer steps through `deepfleet.engine.initialize`: accumulation over 2 micro-steps,
     clipping, AdamW; the engine picks the stage's strategy from the config."""
     import deepfleet.engine as deepfleet
@@ -320,7 +338,8 @@ def _through_engine(rank: int, world_size: int, stage: int) -> dict:
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 2,
         "gradient_clipping": MAX_NORM,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000,
+                              "overlap_comm": overlap},
     }
     engine, *_ = deepfleet.initialize(
         model=model,
@@ -385,10 +404,14 @@ def _scenarios(rank: int, world_size: int, ckpt_dir: str) -> dict:
             out[f"clip{stage}"] = _one_step(rank, world_size, "gpt", stage, MAX_NORM)
             out[f"overflow{stage}"] = _overflow(rank, world_size, stage)
             out[f"engine{stage}"] = _through_engine(rank, world_size, stage)
+            if stage == 1:  # the boundary reduced during backward (zero/boundary.py)
+                out["engine1-overlap"] = _through_engine(rank, world_size, stage, overlap=True)
         else:
             out[f"accumulate{stage}"] = _accumulate(rank, world_size, stage)
             if stage == 2:
                 out["accumulate2-local"] = _accumulate(rank, world_size, stage, local=True)
+            else:
+                out["accumulate1-overlap"] = _accumulate(rank, world_size, stage, overlap=True)
             out[f"bf16-{stage}"] = _bf16(rank, world_size, stage)
             out[f"groups{stage}"] = _groups(rank, world_size, stage)
             out[f"own-group{stage}"] = _own_process_group(rank, world_size, stage)

@@ -9,6 +9,7 @@ The runs themselves are in `tests/engine/partitioned_runs.py` (one spawn per wor
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,6 +92,27 @@ def test_accumulation_communicates_as_the_stage_says(runs: dict, case: str) -> N
             assert step_err(r["params"][name], ref, ref_grads[name]) <= 1e-5, name
 
 
+def test_stage1_overlap_reduces_the_boundary_during_backward(runs: dict) -> None:
+    """Stage 1 with overlap_comm: the non-boundary micro-step is silent; the boundary micro-step issues
+    every chunk's all-reduce during its backward — some already before the token embedding's gradient
+    exists, which is among the last computed — through engine/comm.py, carrying every parameter's fp32
+    gradient once; finish_gradients then issues only the norm's all-reduce. The trained parameters
+    are bit-identical to the after-backward path (overlap_comm off), which issues nothing in backward."""
+    for overlap, after in zip((r["accumulate1-overlap"] for r in runs[2]), (r["accumulate1"] for r in runs[2]),
+                              strict=True):
+        first, boundary_backward, finish = overlap["counts"]
+        assert first == 0
+        assert boundary_backward == overlap["chunks"] > 2
+        assert finish == 1
+        assert overlap["boundary_bytes"] == 4 * overlap["numel"]
+        (issued,) = overlap["before_embedding"]
+        assert 0 < issued < overlap["chunks"]
+        assert after["before_embedding"] == [0] and after["boundary_bytes"] == 0  # the control
+        assert overlap["params"].keys() == after["params"].keys()
+        for name, value in after["params"].items():
+            assert np.array_equal(overlap["params"][name], value), name
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_clip_norm_is_the_global_norm_and_clips(runs: dict, stage: int) -> None:
     ref_params, ref_grads, ref_norm = reference_step("gpt", global_batch("gpt", MICRO * 3), max_norm=MAX_NORM)
@@ -111,6 +133,17 @@ def test_engine_initialize_trains_like_one_process(runs: dict, stage: int) -> No
         assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
         for name, ref in ref_params.items():
             assert step_err(r["params"][name], ref, ref_grads[name], steps=2) <= 1e-5, name
+
+
+def test_stage1_overlap_through_the_engine_is_bit_identical(runs: dict) -> None:
+    """Stage 1 with overlap_comm through the public API at 3 ranks (uneven rows), with gradient
+    accumulation and clipping: the reduction during the boundary backward gives the after-backward
+    path's clip norms and parameters bit for bit (the same chunks, all-reduced from the same inputs)."""
+    for overlap, after in zip((r["engine1-overlap"] for r in runs[3]), (r["engine1"] for r in runs[3]), strict=True):
+        assert overlap["strategy"] == "ZeroStage1"
+        assert overlap["norms"] == after["norms"]
+        for name, value in after["params"].items():
+            assert np.array_equal(overlap["params"][name], value), name
 
 
 @pytest.mark.parametrize("stage", [1, 2])
