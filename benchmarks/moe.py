@@ -136,7 +136,10 @@ def _a2a_seconds(impl: str, layers: list) -> float:
 def _state_bytes(engine: object) -> int:
     """Bytes of every distinct tensor storage reachable from the engine (params, grads, optimizer state,
     buffers): the same walk for both engines (benchmarks/zero_stages.py)."""
-    from benchmarks.zero_stages import reachable_bytes
+    # Imported as a sibling file: opacus (the privacy extra) installs a top-level `benchmarks` package,
+    # which wins over this folder (a namespace package) on `import benchmarks.zero_stages`.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from zero_stages import reachable_bytes
 
     return reachable_bytes(engine)
 
