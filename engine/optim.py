@@ -83,7 +83,15 @@ def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> tor
 def _fused_capable(groups: list[Any]) -> bool:
     """Whether torch's fused Adam kernel takes every tensor of `groups`: floating point, on the CPU or
     CUDA (a DTensor counts by its local shard's device)."""
-    tensors = [t for g in groups for t in (g["params"] if isinstance(g, dict) else [g])]
+    tensors: list[torch.Tensor] = []
+    for g in groups:
+        params = g["params"] if isinstance(g, dict) else g
+        if isinstance(params, torch.Tensor):
+            tensors.append(params)
+        elif isinstance(params, (list, tuple)):
+            tensors.extend(params)
+        else:  # an iterator: left unconsumed for the optimizer, which then runs on foreach
+            return False
     return bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
 
 

@@ -370,3 +370,10 @@ def test_torch_adam_on_its_fused_path_equals_the_foreach_path(section: dict) -> 
     for pa, pb in zip(a, b, strict=True):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(opt.state[pa]["exp_avg_sq"], ref.state[pb]["exp_avg_sq"], atol=1e-7, rtol=1e-6)
+
+
+def test_torch_adam_leaves_a_params_iterator_to_the_optimizer() -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = build_optimizer([{"params": iter(params)}], _optimizer_config({"type": "AdamW", "params": {"torch_adam": True}}))
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]
