@@ -7,8 +7,9 @@ One rank group per run (torchrun); rank 0 prints one JSON line: `{"impl", "token
 "step_time_median_s", "bytes_per_rank", "a2a_share", "losses", ...}`. `a2a_share` is the all-to-all
 seconds of a step (deepfleet: its `moe_all_to_all` comm counters; DeepSpeed: its MoE layers' own
 first/second all-to-all timers) over the step time. `--compare` runs the three interleaved, `--repeats`
-times each, and prints the medians and the ratios (timing on a shared machine is noisy; the ratios of
-interleaved runs are the figures).
+times each, and prints each round, the medians and the ratios, the deepfleet / DeepSpeed ratio also as
+the median of the rounds' own ratios (timing on a shared machine is noisy; the ratios of interleaved runs
+are the figures).
 
 Usage: python benchmarks/moe.py --compare [--repeats 3] [--stage 2]
        torchrun --standalone --nproc-per-node 2 benchmarks/moe.py --impl deepfleet --stage 2
@@ -136,7 +137,10 @@ def _a2a_seconds(impl: str, layers: list) -> float:
 def _state_bytes(engine: object) -> int:
     """Bytes of every distinct tensor storage reachable from the engine (params, grads, optimizer state,
     buffers): the same walk for both engines (benchmarks/zero_stages.py)."""
-    from benchmarks.zero_stages import reachable_bytes
+    # Imported as a sibling file: opacus (the privacy extra) installs a top-level `benchmarks` package,
+    # which wins over this folder (a namespace package) on `import benchmarks.zero_stages`.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from zero_stages import reachable_bytes
 
     return reachable_bytes(engine)
 
@@ -158,11 +162,18 @@ def run_one(impl: str, extra: list[str]) -> dict | None:
 
 def compare(args: argparse.Namespace, extra: list[str]) -> None:
     runs: dict[str, list[dict]] = {"deepfleet": [], "deepspeed": [], "dense": []}
-    for _ in range(args.repeats):
+    round_ratios: list[float] = []
+    for repeat in range(args.repeats):
+        this_round: dict[str, float] = {}
         for impl in runs:  # interleaved, so a noisy neighbour hits every engine alike
             result = run_one(impl, extra)
             if result is not None:
                 runs[impl].append(result)
+                this_round[impl] = result["tokens_per_s"]
+        if "deepfleet" in this_round and "deepspeed" in this_round:
+            round_ratios.append(this_round["deepfleet"] / this_round["deepspeed"])
+        print(json.dumps({"round": repeat, "tokens_per_s": this_round, "load_average": os.getloadavg()[0]}),
+              flush=True)
     summary = {}
     for impl, results in runs.items():
         if results:
@@ -174,7 +185,9 @@ def compare(args: argparse.Namespace, extra: list[str]) -> None:
             }
             print(json.dumps({"impl": impl, **summary[impl]}))
     if "deepfleet" in summary and "deepspeed" in summary:
-        print(f"tokens/s deepfleet / DeepSpeed: {summary['deepfleet']['tokens_per_s'] / summary['deepspeed']['tokens_per_s']:.2f}x")
+        print(f"tokens/s deepfleet / DeepSpeed: {summary['deepfleet']['tokens_per_s'] / summary['deepspeed']['tokens_per_s']:.2f}x"
+              f" (ratio of medians); median of the rounds' ratios {statistics.median(round_ratios):.2f}x over "
+              f"{len(round_ratios)} rounds ({', '.join(f'{r:.2f}' for r in round_ratios)})")
         print(f"bytes/rank deepfleet / DeepSpeed: "
               f"{max(summary['deepfleet']['bytes_per_rank']) / max(summary['deepspeed']['bytes_per_rank']):.2f}x")
     if "deepfleet" in summary and "dense" in summary:

@@ -17,13 +17,13 @@ import torch
 from deepfleet.engine.zero.base import MODEL_STATE_CATEGORIES, ZeroStrategy
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    storage = t.untyped_storage()
-    return (str(t.device), storage.data_ptr())
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor's memory on this rank is its local shard.
+    # A DTensor's memory on this rank is its local shard. Its `_local_tensor` is that shard itself;
+    # `to_local()` would return the same storage through an autograd function, which costs ~20 us per
+    # call, and the engine samples hundreds of tensors several times per step.
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
@@ -35,13 +35,14 @@ def storage_bytes(tensors: Iterable[torch.Tensor], *, seen: set | None = None) -
     for t in tensors:
         t = _local(t)
         storage = t.untyped_storage()
-        if storage.nbytes() == 0:
+        nbytes = storage.nbytes()
+        if nbytes == 0:
             continue
-        key = _storage_key(t)
+        key = (t.device, storage.data_ptr())
         if key in seen:
             continue
         seen.add(key)
-        total += storage.nbytes()
+        total += nbytes
     return total
 
 
@@ -58,17 +59,21 @@ def strategy_memory(sharding: ZeroStrategy) -> dict[str, int]:
     return model_state_bytes(sharding.model_state_tensors())
 
 
-def _fsdp_unsharded(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """FSDP2's unsharded parameters and gradients, wherever `fully_shard` was applied under `module`
-    (stage 3): all-gathered parameters while a unit is unsharded, and the unsharded gradients FSDP2
+def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules under `module` that `fully_shard` was applied to (stage 3), in `modules()` order."""
+    return [m for m in module.modules() if callable(getattr(m, "_get_fsdp_state", None))]
+
+
+def _fsdp_unsharded(modules: list[torch.nn.Module]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """FSDP2's unsharded parameters and gradients of `modules` (those `fully_shard` was applied to,
+    stage 3): all-gathered parameters while a unit is unsharded, and the unsharded gradients FSDP2
     accumulates while gradient sync is off. They are model state while they live but no public API
     lists them, so this reads FSDP2's per-parameter records (`FSDPParam`); a freed storage has 0 bytes
     and is skipped by `storage_bytes`."""
     params: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
-    for m in module.modules():
-        get_state = getattr(m, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+    for m in modules:
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
         for fsdp_param in getattr(group, "fsdp_params", None) or []:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
@@ -97,6 +102,7 @@ class HighWater:
         if hasattr(strategy, "memory_probe"):
             strategy.memory_probe = self.sample
         self.last: tuple[int, dict[str, int], str | None] = (0, {}, None)
+        self._fsdp: tuple[torch.nn.Module | None, list[torch.nn.Module]] = (None, [])  # (module, its FSDP modules)
         self.reset()
 
     def reset(self) -> None:
@@ -113,7 +119,9 @@ class HighWater:
         # The module's current parameters too: at stage 3 FSDP2 swaps the gathered (unsharded)
         # parameters in while a unit is unsharded, and they are model state while they live.
         module = self._strategy.module
-        unsharded_params, unsharded_grads = _fsdp_unsharded(module)
+        if self._fsdp[0] is not module:  # walking every module for FSDP state costs more than the sample
+            self._fsdp = (module, fsdp_modules(module))
+        unsharded_params, unsharded_grads = _fsdp_unsharded(self._fsdp[1])
         tensors["params"] = [*tensors.get("params", []), *module.parameters(), *unsharded_params]
         tensors["grads"] = [*tensors.get("grads", []), *unsharded_grads]
         report = model_state_bytes(tensors)

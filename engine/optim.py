@@ -7,8 +7,11 @@ DeepSpeed's `"Adam"` means decoupled weight decay unless `adam_w_mode` is false.
 decoupled decay build `FusedAdamW`, which steps through the fused AdamW kernel
 (`deepfleet.kernels.fused_adamw`, whose dispatcher picks Triton on CUDA and torch's fused CPU kernel on
 the CPU); `torch_adam: true` (DeepSpeed's switch away from its fused kernel), `amsgrad` and L2-coupled
-Adam (`adam_w_mode: false`) build torch's own classes on their multi-tensor `foreach` path, as do SGD and
-Adagrad. The update is the same either way (tested against `torch.optim.AdamW`).
+Adam (`adam_w_mode: false`) build torch's own classes, SGD and Adagrad too. Torch's Adam classes run on
+their `fused` path where every tensor allows it (amsgrad and other devices on `foreach`): the same update,
+and on the ZeRO-1/2 DTensor shards one dispatch per group instead of one per op and tensor list, which
+was 3-4x slower (91 vs 27 ms per step on the 11.6M-parameter MoE GPT). SGD and Adagrad use `foreach`.
+The update is the same either way (tested against `torch.optim.AdamW`).
 
 `OneBitAdam`, `ZeroOneAdam` and `OneBitLamb` live in `engine/onebit/` (they communicate).
 
@@ -57,8 +60,9 @@ def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> tor
         if decoupled and not p.torch_adam and not p.amsgrad:
             return FusedAdamW(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
         cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        fused = not p.amsgrad and _fused_capable(groups)
         return cls(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay, amsgrad=p.amsgrad,
-                   foreach=True)
+                   foreach=not fused, fused=fused or None)
     if isinstance(config, SGDConfig):
         return torch.optim.SGD(groups, lr=p.lr, momentum=p.momentum, dampening=p.dampening,
                                weight_decay=p.weight_decay, nesterov=p.nesterov, foreach=True)
@@ -74,6 +78,21 @@ def build_optimizer(param_groups: Iterable[Any], config: OptimizerConfig) -> tor
     if isinstance(config, (OneBitAdamConfig, ZeroOneAdamConfig, OneBitLambConfig)):
         return _one_bit(groups, config)
     raise TypeError(f"build_optimizer: unsupported optimizer config {type(config).__name__}")
+
+
+def _fused_capable(groups: list[Any]) -> bool:
+    """Whether torch's fused Adam kernel takes every tensor of `groups`: floating point, on the CPU or
+    CUDA (a DTensor counts by its local shard's device)."""
+    tensors: list[torch.Tensor] = []
+    for g in groups:
+        params = g["params"] if isinstance(g, dict) else g
+        if isinstance(params, torch.Tensor):
+            tensors.append(params)
+        elif isinstance(params, (list, tuple)):
+            tensors.extend(params)
+        else:  # an iterator: left unconsumed for the optimizer, which then runs on foreach
+            return False
+    return bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
 
 
 def _one_bit(groups: list[Any], config: OptimizerConfig) -> torch.optim.Optimizer:

@@ -16,8 +16,11 @@ the loop at these sizes, so it is used only on GPU; tests compare it with the lo
 Gradient scale: the expert-data-parallel group (ranks holding the same experts) has dp / ep ranks, and
 every ZeRO strategy averages a gradient over the group it reduces over. An expert's gradient already
 sums the contributions of the ep ranks whose tokens it served, so the right mean over all dp ranks'
-losses needs a further 1 / ep; `grad_scale` applies it to the expert weights' gradients in the forward
-(through `torch.func.functional_call` with gradient-scaled weights), so the strategies need no MoE case.
+losses needs a further 1 / ep; `grad_scale` applies it, so the strategies need no MoE case. Gradients
+are linear in the gradient that flows in, so scaling the experts' output gradient by s and their input
+gradient by 1 / s scales every expert parameter's gradient by s and leaves the tokens' gradient as it
+was: two elementwise multiplications of the rows per layer, instead of one autograd node per expert
+weight (exact for s a power of two, as with ep_size 2, 4, 8).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import copy
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -73,31 +75,29 @@ class Experts(nn.Module):
         self.grad_scale = 1.0 / ep_size
 
     def forward(self, rows: Tensor, counts: list[int]) -> Tensor:
+        scale = self.grad_scale
+        if scale != 1.0:
+            rows = _ScaleGrad.apply(rows, 1.0 / scale)  # the tokens' gradient back at its own scale
         experts = list(self.deepspeed_experts.values())
         if self.grouped and rows.is_cuda and hasattr(torch, "_grouped_mm"):
-            return self._grouped(rows, counts, experts)
-        return self.reference(rows, counts)
+            out = self._grouped(rows, counts, experts)
+        else:
+            out = self.reference(rows, counts)
+        return _ScaleGrad.apply(out, scale) if scale != 1.0 else out  # expert gradients times grad_scale
 
     def reference(self, rows: Tensor, counts: list[int]) -> Tensor:
-        """Loop over local experts on their segments of `rows` (the specification and the CPU path)."""
+        """Loop over local experts on their segments of `rows` (the specification and the CPU path);
+        gradients unscaled (`forward` applies `grad_scale`)."""
         outs = []
         for expert, chunk in zip(self.deepspeed_experts.values(), rows.split(counts), strict=True):
-            out = self._call(expert, chunk)
+            out = expert(chunk)
             outs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outs) if outs else rows
 
-    def _call(self, expert: nn.Module, chunk: Tensor):  # noqa: ANN202 - the expert's own output type
-        if self.grad_scale == 1.0:
-            return expert(chunk)
-        params = {n: _ScaleGrad.apply(p, self.grad_scale) for n, p in expert.named_parameters()}
-        return functional_call(expert, params, (chunk,))
-
-    def _weights(self, experts: list[nn.Module], index: int) -> tuple[Tensor, Tensor | None]:
+    @staticmethod
+    def _weights(experts: list[nn.Module], index: int) -> tuple[Tensor, Tensor | None]:
         w = torch.stack([e[index].weight for e in experts]).transpose(1, 2)  # (L, in, out)
         b = torch.stack([e[index].bias for e in experts]) if experts[0][index].bias is not None else None
-        if self.grad_scale != 1.0:
-            w = _ScaleGrad.apply(w, self.grad_scale)
-            b = _ScaleGrad.apply(b, self.grad_scale) if b is not None else None
         return w, b
 
     def _grouped(self, rows: Tensor, counts: list[int], experts: list[nn.Module]) -> Tensor:

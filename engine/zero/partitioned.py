@@ -391,7 +391,7 @@ class _Partitioned(ABC):
         optim: list[torch.Tensor] = []
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
-                optim += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+                optim += [v for v in state.values() if isinstance(v, torch.Tensor)]  # DTensors as they are
         return {
             "params": list(self.module.parameters()),
             "grads": grads,

@@ -64,7 +64,7 @@ def measure(rank: int, world_size: int, *, size: str, stage: int, checkpoint: bo
     import torch
 
     import deepfleet.engine as deepfleet
-    from deepfleet.engine.memory import LiveStorages, _fsdp_unsharded
+    from deepfleet.engine.memory import LiveStorages, _fsdp_unsharded, fsdp_modules
 
     job = gpt(size)
     model, data = job["model"], job["training_data"]
@@ -81,7 +81,7 @@ def measure(rank: int, world_size: int, *, size: str, stage: int, checkpoint: bo
         for tensors in sharding.model_state_tensors().values():
             live.track(tensors)
         live.track(sharding.module.parameters())
-        for tensors in _fsdp_unsharded(sharding.module):
+        for tensors in _fsdp_unsharded(fsdp_modules(sharding.module)):
             live.track(tensors)
         start = live.current
         engine.backward(engine(batch))

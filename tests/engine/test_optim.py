@@ -175,7 +175,7 @@ def test_build_optimizer_classes_defaults_and_foreach() -> None:
     amsgrad = build_optimizer(p, _optimizer_config({"type": "Adam", "params": {"amsgrad": True}}))
     assert type(amsgrad) is torch.optim.AdamW and amsgrad.defaults["foreach"]
     torch_adamw = build_optimizer(p, _optimizer_config({"type": "AdamW", "params": {"torch_adam": True}}))
-    assert type(torch_adamw) is torch.optim.AdamW
+    assert type(torch_adamw) is torch.optim.AdamW and torch_adamw.defaults["fused"]
     assert torch_adamw.defaults["weight_decay"] == 0.01  # torch AdamW's default, as DeepSpeed gets it
     plain = build_optimizer(p, _optimizer_config({"type": "Adam", "params": {"adam_w_mode": False}}))
     assert type(plain) is torch.optim.Adam
@@ -347,3 +347,33 @@ def test_config_adamw_takes_the_fused_kernel_and_matches_torch_at_stage(stage: i
         # the parity tolerance of test_zero_stages.py: a tenth of one AdamW step at lr 1e-3 (AdamW divides
         # by sqrt(v), so rounding-order differences near zero gradients grow to that size)
         assert result["diff"] < 1e-4, result
+
+
+@pytest.mark.parametrize("section", [{"type": "AdamW", "params": {"torch_adam": True, "weight_decay": 0.1}},
+                                     {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}])
+def test_torch_adam_on_its_fused_path_equals_the_foreach_path(section: dict) -> None:
+    torch.manual_seed(0)
+    shapes = [(7, 3), (5,), (2, 2, 2)]
+    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt = build_optimizer([{"params": a[:2]}, {"params": a[2:]}], _optimizer_config(section))
+    assert opt.defaults["fused"]
+    cls = torch.optim.AdamW if section["type"] == "AdamW" else torch.optim.Adam
+    ref = cls([{"params": b[:2]}, {"params": b[2:]}], lr=opt.defaults["lr"], betas=opt.defaults["betas"],
+              eps=opt.defaults["eps"], weight_decay=0.1, foreach=True)
+    for _ in range(5):
+        for pa, pb in zip(a, b, strict=True):
+            g = torch.randn(pa.shape)
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for pa, pb in zip(a, b, strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(opt.state[pa]["exp_avg_sq"], ref.state[pb]["exp_avg_sq"], atol=1e-7, rtol=1e-6)
+
+
+def test_torch_adam_leaves_a_params_iterator_to_the_optimizer() -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = build_optimizer([{"params": iter(params)}], _optimizer_config({"type": "AdamW", "params": {"torch_adam": True}}))
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]

@@ -153,6 +153,30 @@ def test_grouped_gemms_equal_the_loop() -> None:
         torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [0.5, 1.0 / 3.0])
+def test_grad_scale_scales_only_the_expert_gradients(scale: float) -> None:
+    """`grad_scale` (1 / ep) multiplies every expert parameter's gradient and leaves the outputs and
+    the rows' gradient as an unscaled per-expert loop computes them."""
+    torch.manual_seed(0)
+    experts = Experts(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.LayerNorm(8)), 3)
+    rows, counts = torch.randn(13, 8, requires_grad=True), [5, 0, 8]
+    grad = torch.randn(13, 8)
+    want = experts.reference(rows, counts)
+    want.backward(grad)
+    want_rows, want_params = rows.grad.clone(), [p.grad.clone() for p in experts.parameters()]
+    rows.grad = None
+    experts.zero_grad()
+    experts.grad_scale = scale
+    out = experts(rows, counts)
+    out.backward(grad)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(rows.grad, want_rows, atol=1e-6, rtol=1e-6)
+    for p, g in zip(experts.parameters(), want_params, strict=True):
+        torch.testing.assert_close(p.grad, g * scale, atol=1e-6, rtol=1e-6)
+    if scale == 0.5:  # a power of two: exact
+        assert torch.equal(rows.grad, want_rows)
+
+
 def test_noisy_gates_change_routing_only_while_training() -> None:
     x = torch.randn(4000, 8)
     for policy in ("Jitter", "RSample"):
