@@ -10,7 +10,6 @@ a process group (DDP and FSDP2 require one) without opening a port.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 
@@ -56,7 +55,6 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     placement = {"rank": rank, "world_size": world_size} if explicit else {}
     dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout, **placement)
-    atexit.register(_close_at_exit)
 
 
 def ensure_process_group(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
@@ -66,23 +64,6 @@ def ensure_process_group(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> No
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        atexit.register(_close_at_exit)
-
-
-def _close_at_exit() -> None:
-    """At interpreter exit, for a group the engine made: wait for checkpoint writes still in flight and
-    destroy the group, so the backend's threads are joined before the interpreter tears down (a group
-    left to the teardown can abort the process with "terminate called without an active exception").
-    No barrier: a peer that already died must not hold this process at exit."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # the script destroyed it
-    from deepfleet.engine.checkpoint.api import _WRITERS
-
-    try:
-        for writer in list(_WRITERS.values()):
-            writer.wait()
-    finally:
-        dist.destroy_process_group()
 
 
 def training_device() -> torch.device:
