@@ -95,35 +95,32 @@ db_app = typer.Typer(help="Controller database maintenance.", no_args_is_help=Tr
 app.add_typer(db_app, name="db")
 
 
-@db_app.command("upgrade")
-def db_upgrade(
-    database_url: Annotated[
-        str | None, typer.Option("--database-url", help="Default: DEEPFLEET_DATABASE_URL / DATABASE_URL.")
-    ] = None,
-) -> None:
-    """Migrate the controller database to the newest schema (the Helm chart's pre-install hook)."""
+DatabaseUrl = Annotated[
+    str | None, typer.Option("--database-url", help="Default: DEEPFLEET_DATABASE_URL / DATABASE_URL.")
+]
+
+
+def _run_db_module(module: str, *args: str, database_url: str | None) -> None:
+    """Run a database-layer module as its own process: the CLI never imports the database layer
+    (import contract)."""
     import subprocess
     import sys
 
-    # The CLI never imports the database layer (import contract); the migration runs as its own module.
-    argv = [sys.executable, "-m", "deepfleet.controller.db.migrate", "upgrade"]
+    argv = [sys.executable, "-m", module, *args]
     argv += ["--database-url", database_url] if database_url else []
     raise typer.Exit(subprocess.call(argv))
+
+
+@db_app.command("upgrade")
+def db_upgrade(database_url: DatabaseUrl = None) -> None:
+    """Migrate the controller database to the newest schema (the Helm chart's pre-install hook)."""
+    _run_db_module("deepfleet.controller.db.migrate", "upgrade", database_url=database_url)
 
 
 @db_app.command("rotate-keys")
-def db_rotate_keys(
-    database_url: Annotated[
-        str | None, typer.Option("--database-url", help="Default: DEEPFLEET_DATABASE_URL / DATABASE_URL.")
-    ] = None,
-) -> None:
+def db_rotate_keys(database_url: DatabaseUrl = None) -> None:
     """Re-encrypt every stored secret under DEEPFLEET_SECRET (reading the old ones under DEEPFLEET_OLD_SECRETS)."""
-    import subprocess
-    import sys
-
-    argv = [sys.executable, "-m", "deepfleet.controller.db.keys"]
-    argv += ["--database-url", database_url] if database_url else []
-    raise typer.Exit(subprocess.call(argv))
+    _run_db_module("deepfleet.controller.db.keys", database_url=database_url)
 
 
 # Engine command lines, each run as its own process so the CLI stays torch-free (import contract):
