@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -72,6 +73,25 @@ if TYPE_CHECKING:
 
 RUN_ENV = "DEEPFLEET_LOCAL_RUN"
 # Runs the worker, then records its exit status (128+N for a signal, as the shell reports it).
+# Children of dropped backends (a controller replica replaced, a test's backend gone) whose exit is not
+# collected yet: every backend polls these too, so neither zombies nor 'still running' Popen warnings remain.
+_ORPHANS: list[subprocess.Popen[bytes]] = []
+
+
+def _collect(children: dict[int, subprocess.Popen[bytes]]) -> None:
+    """Poll every child (and every orphan); forget those that exited."""
+    for pid, proc in list(children.items()):
+        if proc.poll() is not None:
+            children.pop(pid, None)
+    _ORPHANS[:] = [proc for proc in _ORPHANS if proc.poll() is None]
+
+
+def _orphan(children: dict[int, subprocess.Popen[bytes]]) -> None:
+    _collect(children)
+    _ORPHANS.extend(children.values())
+    children.clear()
+
+
 _WRAPPER = 'rc=0; "$@" || rc=$?; printf "%s" "$rc" > "$DF_EXIT_FILE.tmp"; mv "$DF_EXIT_FILE.tmp" "$DF_EXIT_FILE"; exit $rc'
 _SIGKILLED = 128 + signal.SIGKILL
 KILL_WAIT_S = 15.0  # how long cancel waits for SIGKILLed processes to be gone
@@ -194,6 +214,9 @@ class LocalBackend:
         self._clock = clock
         self._sleep = sleep
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        # Another replica may observe a run this one started, so this one never reaps it there: every
+        # entry point collects exited children, and a dropped backend hands the rest on (`_ORPHANS`).
+        weakref.finalize(self, _orphan, self._children)
 
     # ------------------------------------------------------------------ paths and state
     def run_dir(self, name: str) -> Path:
@@ -224,6 +247,7 @@ class LocalBackend:
     def submit(self, sub: Submission) -> None:
         """Start one process per node. Idempotent: a complete run of that name is left alone; a run
         whose start was interrupted (controller crash mid-submit) is cleaned up and started again."""
+        _collect(self._children)
         state = self._state(sub.name)
         if state is not None and state.get("complete"):
             return
@@ -290,6 +314,7 @@ class LocalBackend:
         """FAILED as soon as fewer than `nodes.min` nodes remain (any non-zero exit of a fixed-size run;
         classified by the earliest failure), SUCCEEDED when every remaining node exited 0, RUNNING
         otherwise."""
+        _collect(self._children)
         state = self._state(name)
         if state is None:
             return Observation(RunPhase.NOT_FOUND, message=f"no local run {name}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,25 @@ def test_exit_status_survives_the_controller(tmp_path: Path) -> None:
     wait_for(first, sub.name, {RunPhase.FAILED})
     assert backend(tmp_path).observe(sub.name).failure_class is FailureClass.USER_ERROR
     first.cancel(sub.name)  # the other node may still be finishing; the parent reaps it
+
+
+def test_a_dropped_backend_leaves_no_uncollected_child_behind(tmp_path: Path) -> None:
+    """A run started by one replica and seen finished by another: the starter never observes it, and
+    dropping it must neither leave a zombie nor warn that a subprocess is still running."""
+    first, second = backend(tmp_path), backend(tmp_path)
+    done = submission("done", ["--steps", "1"], nodes=1)
+    running = submission("long", ["--steps", "1000", "--step-s", "0.1"], nodes=1)
+    first.submit(done)
+    first.submit(running)
+    wait_for(second, done.name, {RunPhase.SUCCEEDED})
+    pids = list(first._children)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        del first
+        gc.collect()
+    second.cancel(running.name)
+    second.observe(done.name)  # any backend's entry point collects the orphans' exits
+    assert [p for p in pids if Path(f"/proc/{p}").exists()] == []  # neither running nor a zombie
 
 
 def test_unknown_run_is_not_found(tmp_path: Path) -> None:
