@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import kubernetes_validate
@@ -278,3 +279,45 @@ def test_api_processes_and_old_secrets_reach_the_controller() -> None:
     assert "DEEPFLEET_OLD_SECRETS" not in {e["name"] for e in plain["spec"]["template"]["spec"]["containers"][0]["env"]}
     for doc in docs:
         kubernetes_validate.validate(doc, "1.33.0", strict=True)
+
+
+AZUREML = ("--set", "azureml.enabled=true", "--set", "azureml.subscriptionId=0b1f6471-1bf0-4dda-aec3-cb9272f09590",
+           "--set", "azureml.resourceGroup=ml-rg", "--set", "azureml.workspace=ml-ws",
+           "--set", "azureml.keyVault=https://ml-kv.vault.azure.net")
+
+
+def test_azureml_settings_reach_the_controller_and_its_backend() -> None:
+    from deepfleet.controller.settings import Settings
+
+    with warnings.catch_warnings():  # the Azure ML SDK warns about its own classes as it imports them
+        warnings.simplefilter("ignore")
+        from deepfleet.controller.backends.azureml import KEY_VAULT_ENV, WORKSPACE_ENV
+
+    docs = render(DEFAULT, extra=(*AZUREML, "--set", "azureml.workloadIdentity=true",
+                                  "--set", "azureml.credentialsSecret=ml-sp"))
+    (cm,) = by_kind(docs, "ConfigMap")
+    assert Settings.from_env(cm["data"]).backends == ["kubernetes", "azureml"]
+    assert [cm["data"][k] for k in WORKSPACE_ENV] == ["0b1f6471-1bf0-4dda-aec3-cb9272f09590", "ml-rg", "ml-ws"]
+    assert cm["data"][KEY_VAULT_ENV] == "https://ml-kv.vault.azure.net"
+    (deploy,) = by_kind(docs, "Deployment")
+    pod = deploy["spec"]["template"]
+    assert pod["metadata"]["labels"]["azure.workload.identity/use"] == "true"
+    assert {"secretRef": {"name": "ml-sp"}} in pod["spec"]["containers"][0]["envFrom"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+    # off by default: Kubernetes alone, no Azure names, no identity label, no credentials Secret
+    (plain_cm,) = by_kind(render(DEFAULT), "ConfigMap")
+    assert plain_cm["data"]["DEEPFLEET_BACKENDS"] == "kubernetes"
+    assert not {*WORKSPACE_ENV, KEY_VAULT_ENV} & set(plain_cm["data"])
+
+
+@pytest.mark.parametrize(("unset", "value"), [("azureml.workspace", ""), ("azureml.resourceGroup", "")])
+def test_azureml_without_its_workspace_fails_naming_the_value(unset: str, value: str) -> None:
+    proc = helm("template", "df", str(CHART), "--namespace", "ml", *AZUREML, "--set", f"{unset}={value}")
+    assert proc.returncode != 0
+    assert f"{unset}: azureml.enabled needs the workspace" in proc.stderr
+
+
+def test_a_malformed_key_vault_url_is_refused_by_the_schema() -> None:
+    proc = helm("template", "df", str(CHART), "--namespace", "ml", *AZUREML, "--set", "azureml.keyVault=ml-kv")
+    assert proc.returncode != 0 and "keyVault" in proc.stderr
