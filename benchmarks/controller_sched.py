@@ -7,6 +7,9 @@ local backend. Prints one JSON line per measurement. Run by `make bench` (benchm
 - `admit_pass`: one reconciler admission pass over N PENDING rows in the database (SQLite by default,
   `--db`/`DATABASE_URL` for PostgreSQL): a lock-free read of N rows, decide, then at most `admit_budget`
   phase changes and events in transactions of `admit_batch` locked rows (`admitted` is that budget).
+- `admit_decide`: the decision half of a pass alone (no decision applied: `admit_budget=0`), median of 5,
+  reading the first `admit_window` jobs in rank order (the default) against reading the whole queue
+  (`admit_window` = N, as passes did before the window), over the same N PENDING rows.
 - `cancel_during_passes`: cancels of random PENDING jobs (the API's path: read the row, set the desired
   state, commit) timed while admission passes run back to back over the same N rows in another thread;
   a cancel waits only when its row is in the batch being changed at that moment.
@@ -87,6 +90,35 @@ def bench_pass(n: int, url: str, tmp: Path) -> dict:
         admitted = s.query(Job).filter(Job.phase == "ADMITTED").count()
     return {"bench": "controller_sched", "case": "admit_pass", "db": url.split(":")[0], "jobs": n,
             "admitted": admitted, "seconds": round(seconds, 4)}
+
+
+def bench_decide(n: int, url: str, tmp: Path) -> dict:
+    from dataclasses import replace
+
+    sessions = _sessions(url)
+    now = datetime.now(timezone.utc)
+    with sessions() as s, s.begin():
+        s.execute(Job.__table__.insert(), [
+            dict(id=uuid.uuid4().hex, name=f"d{i}", project="bench", queue="default", backend="local",
+                 priority=["low", "normal", "high"][i % 3], spec=document(f"d{i}", 1 + i % 4),
+                 spec_version="deepfleet/v1", world_size=1 + i % 4, gpus=0, phase="PENDING",
+                 created_at=now + timedelta(milliseconds=i)) for i in range(n)])
+    config = ReconcilerConfig(replica_id="bench", controller_url="http://127.0.0.1:9", secret="s",
+                              capacity=Limit(processes=4 * n), admit_budget=0)
+    rec = Reconciler(sessions, backend=LocalBackend(tmp / "logs-decide", slots=4), config=config)
+    rec._hold_lease("scheduler-local", now)
+    out = {"bench": "controller_sched", "case": "admit_decide", "db": url.split(":")[0], "jobs": n,
+           "window": config.admit_window}
+    for label, window in (("whole_queue_s", n), ("window_s", config.admit_window)) * 2:  # interleaved
+        rec.config = replace(config, admit_window=window)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            rec._admit(now)
+            times.append(time.perf_counter() - start)
+        out[label] = round(statistics.median(times), 4)  # the second round's figure is kept (warm)
+    out["ratio"] = round(out["whole_queue_s"] / out["window_s"], 2)
+    return out
 
 
 def _admit_loop(url: str, n: int, logs: str, stop, passes) -> None:  # noqa: ANN001 - multiprocessing objects
@@ -180,6 +212,7 @@ def main() -> None:
         url = args.db or f"sqlite:///{tmp / 'bench.db'}"
         print(json.dumps(bench_pure(args.jobs)), flush=True)
         print(json.dumps(bench_pass(args.jobs, url, tmp)), flush=True)
+        print(json.dumps(bench_decide(max(args.jobs, 20_000), url, tmp)), flush=True)
         print(json.dumps(bench_cancel(args.jobs, url, tmp)), flush=True)
         print(json.dumps(bench_latency(args.latency_runs, url, tmp)), flush=True)
 

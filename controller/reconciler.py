@@ -7,7 +7,9 @@ and by tests, which call `reconcile_once(now)` with an injected time instead of 
 One pass:
 1. **Admit** (only the replica holding the `scheduler-<backend>` lease): PENDING jobs of this backend
    go through `controller.scheduler.admit` against per-queue quotas and the backend's capacity. The
-   decision reads a lock-free snapshot of a few columns; at most `admit_budget` decisions are applied
+   decision reads a lock-free snapshot of a few columns of the first `admit_window` jobs in rank order
+   (`scheduler.ranked_window`, so a pass costs the same over 100 or 100,000 pending jobs); at most
+   `admit_budget` decisions are applied
    per pass, in transactions locking at most `admit_batch` rows (`FOR UPDATE SKIP LOCKED` on
    PostgreSQL), so a cancel or submit never waits behind a pass over a long queue.
    (One reconciler drives one backend; a controller with several backends runs one per backend.)
@@ -44,7 +46,7 @@ from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.confine import code_dir_for
 from deepfleet.controller.db import provenance as chain
 from deepfleet.controller.db.jobs import claim_free, claim_jobs, record_event
-from deepfleet.controller.db.models import Attempt, Event, Job, Lease, Queue
+from deepfleet.controller.db.models import PRIORITIES, Attempt, Event, Job, Lease, Queue
 from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
 from deepfleet.controller.registry import ModelRegistry
@@ -74,6 +76,7 @@ class ReconcilerConfig:
     lease_seconds: float = 30.0
     aging_s: float = 600.0
     batch: int = 100  # jobs claimed per pass
+    admit_window: int = 1000  # pending jobs (first in rank order) a pass reads and decides on
     admit_budget: int = 500  # admission decisions applied per pass (the rest: next pass)
     admit_batch: int = 100  # rows locked at once by admission (one transaction each)
     heartbeat_interval_s: float | None = None
@@ -161,16 +164,20 @@ class Reconciler:
 
     # ------------------------------------------------------------------ admission
     def _admit(self, now: datetime) -> None:
-        """Decide on a lock-free snapshot of the PENDING rows, then apply at most `admit_budget` decisions
+        """Decide on a lock-free snapshot of the first `admit_window` PENDING rows in rank order (each base
+        priority's oldest, merged), then apply at most `admit_budget` decisions
         (in rank order) in transactions of at most `admit_batch` rows, each row locked only while it
         changes. Rows another transaction holds (a cancel in flight) are skipped and decided again next
         pass, so a pass over thousands of pending jobs never blocks a cancel or a submit."""
+        window = self.config.admit_window
         with self.sessions() as s:
-            pending = s.execute(
-                select(Job.id, Job.queue, Job.priority, Job.world_size, Job.gpus, Job.created_at)
-                .where(*self._pending())
-            ).all()
-            if not pending:
+            streams = [[scheduler.QueuedJob(job_id, queue, level, scheduler.Demand(procs, gpus), created)
+                        for job_id, queue, procs, gpus, created in s.execute(
+                            select(Job.id, Job.queue, Job.world_size, Job.gpus, Job.created_at)
+                            .where(*self._pending(), Job.priority == priority)
+                            .order_by(Job.created_at, Job.id).limit(window))]
+                       for priority, level in ((p, scheduler.Priority.parse(p)) for p in PRIORITIES)]
+            if not any(streams):
                 return
             used: dict[str, scheduler.Demand] = {}
             for queue, procs, gpus in s.execute(
@@ -179,9 +186,7 @@ class Reconciler:
             ):
                 used[queue] = used.get(queue, scheduler.ZERO) + scheduler.Demand(procs, gpus)
             quotas = {q.name: scheduler.Limit(q.max_processes, q.max_gpus) for q in s.scalars(select(Queue))}
-        queued = [scheduler.QueuedJob(job_id, queue, scheduler.Priority.parse(priority),
-                                      scheduler.Demand(procs, gpus), created)
-                  for job_id, queue, priority, procs, gpus, created in pending]
+        queued = scheduler.ranked_window(streams, window, now=now, aging_s=self.config.aging_s)
         out = scheduler.admit(queued, used=used, capacity=self.config.capacity, quotas=quotas, now=now,
                               aging_s=self.config.aging_s)
         # Admissions first (rank order), then failures; the head-of-line note last (it only sets a message).

@@ -16,11 +16,19 @@ Policy (in order):
 
 Quotas are per queue (total processes and total GPUs of its admitted, unfinished jobs); `None` means
 unlimited. Cost is O(n log n) in the queue length (one sort, one pass).
+
+**A window of the queue.** The reconciler does not read every PENDING row each pass: within one base
+priority, an older job never ranks below a younger one (aging only raises it), so each base priority is
+a stream already in rank order, and `ranked_window` merges the first `n` of each into the first `n` of
+the whole ranking, exactly. Admission then decides on that window; a job further back is decided once
+the jobs ahead of it have moved (its demand cannot start before theirs anyway, under the reservation).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -102,6 +110,18 @@ def effective_priority(job: QueuedJob, *, now: datetime, aging_s: float) -> int:
     return min(int(Priority.HIGH), int(job.priority) + int(waited // aging_s))
 
 
+def rank_key(job: QueuedJob, *, now: datetime, aging_s: float) -> tuple[int, datetime, str]:
+    """Sort key of the admission order: effective priority (highest first), then submit time, then id."""
+    return -effective_priority(job, now=now, aging_s=aging_s), job.submitted_at, job.id
+
+
+def ranked_window(streams: Iterable[Iterable[QueuedJob]], n: int, *, now: datetime, aging_s: float) -> list[QueuedJob]:
+    """The first `n` jobs of the admission order, from streams that each hold one base priority's jobs
+    in (submit time, id) order and at least their first `n` (fewer only when the stream has no more)."""
+    merged = heapq.merge(*streams, key=lambda j: rank_key(j, now=now, aging_s=aging_s))
+    return list(itertools.islice(merged, n))
+
+
 def admit(
     queued: Iterable[QueuedJob],
     *,
@@ -113,9 +133,7 @@ def admit(
 ) -> Admission:
     """Decide which queued jobs start now. `used`: demand of admitted, unfinished jobs per queue;
     `capacity`: the backend's total; `quotas`: per queue (a missing queue is unlimited)."""
-    ranked = sorted(
-        queued, key=lambda j: (-effective_priority(j, now=now, aging_s=aging_s), j.submitted_at, j.id)
-    )
+    ranked = sorted(queued, key=lambda j: rank_key(j, now=now, aging_s=aging_s))
     per_queue = dict(used)
     total = sum(per_queue.values(), ZERO)
     blocked_queues: set[str] = set()

@@ -132,6 +132,8 @@ class Job(Base):
         # Listing is "newest first within a project"; the cursor is (created_at, id).
         Index("ix_jobs_project_created", "project", "created_at", "id"),
         Index("ix_jobs_phase", "phase"),
+        # Admission reads each base priority's oldest PENDING jobs of one backend (a window, not the queue).
+        Index("ix_jobs_admission", "phase", "backend", "priority", "created_at", "id"),
         Index("ix_jobs_queue_phase", "queue", "phase"),
         Index("ix_jobs_registration_state", "registration_state"),
         _one_of("registration_state", REGISTRATION_STATES, "registration_state"),

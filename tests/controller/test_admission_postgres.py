@@ -104,3 +104,32 @@ def test_a_row_held_elsewhere_is_skipped_then_admitted_next_pass(sessions, tmp_p
     rec._admit(T0 + timedelta(seconds=2))
     assert _phases(sessions, ids)[0] == "ADMITTED"  # high priority: first in line on the next pass
     assert _phases(sessions, ids).count("ADMITTED") == 30  # the remaining 10 fit in the next budget
+
+
+def test_a_pass_reads_a_window_of_the_queue_in_rank_order(sessions, tmp_path: Path) -> None:
+    """Thousands pending, a window of 50: the pass fetches at most one window per base priority and
+    admits exactly the head of the whole ranking (aged low-priority jobs included)."""
+    n = 3000
+    ids = _pending(sessions, n, priority=lambda i: ("low", "normal", "high")[i % 3])
+    rec = _bounded(reconciler(sessions, tmp_path), batch=20, budget=40)
+    from dataclasses import replace
+
+    rec.config = replace(rec.config, admit_window=50, aging_s=1.0)
+    fetched: list[int] = []
+    engine = sessions.kw["bind"]
+
+    def count(conn, cursor, statement, *args) -> None:
+        if statement.lstrip().startswith("SELECT") and "ORDER BY jobs.created_at" in statement:
+            fetched.append(cursor.rowcount)
+
+    event.listen(engine, "after_cursor_execute", count)
+    try:
+        rec._hold_lease("scheduler-local", T0)
+        rec._admit(T0 + timedelta(seconds=1.5))  # 1.5 s of aging: every job ranks one level up
+    finally:
+        event.remove(engine, "after_cursor_execute", count)
+    assert fetched == [50, 50, 50]
+    # aged one level: normal ranks with high (FIFO between them), low ranks as normal, after them
+    expected = [i for k, i in enumerate(ids) if k % 3 != 0][:40]
+    admitted = {i for i, phase in zip(ids, _phases(sessions, ids), strict=True) if phase == "ADMITTED"}
+    assert admitted == set(expected)

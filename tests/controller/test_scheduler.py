@@ -83,3 +83,20 @@ def test_priority_parse_rejects_unknown() -> None:
     assert Priority.parse("HIGH") is Priority.HIGH
     with pytest.raises(KeyError):
         Priority.parse("urgent")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_merged_window_is_the_head_of_the_whole_ranking(seed: int) -> None:
+    import random
+
+    from deepfleet.controller.scheduler import rank_key, ranked_window
+
+    rng = random.Random(seed)
+    now = T0 + timedelta(seconds=5000)
+    jobs = [job(f"j{i:04d}", 1, prio=rng.choice(["low", "normal", "high"]), t=rng.randrange(0, 5000))
+            for i in range(rng.randrange(50, 400))]
+    whole = sorted(jobs, key=lambda j: rank_key(j, now=now, aging_s=900.0))
+    for n in (1, 7, 40, len(jobs) + 5):
+        streams = [sorted((j for j in jobs if j.priority is p), key=lambda j: (j.submitted_at, j.id))[:n]
+                   for p in Priority]
+        assert ranked_window(streams, n, now=now, aging_s=900.0) == whole[:n]
