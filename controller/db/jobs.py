@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -88,27 +89,27 @@ def claim_jobs(sessions: sessionmaker[Session], *, where: Sequence[ColumnElement
 
 
 class _Known:
-    """Names of rows found to exist, per database, remembered for `ttl_s`: projects and queues are never
-    deleted through the controller, so a submit need not look each one up again (two round trips)."""
+    """Names of rows found to exist, per database engine, remembered for `ttl_s`: projects and queues are
+    never deleted through the controller, so a submit need not look each one up again (two round trips).
+    Keyed by the engine object itself (weakly), so a lookup costs no URL rendering and an engine that is
+    gone takes its names with it."""
 
     def __init__(self, ttl_s: float = 30.0) -> None:
         self.ttl_s = ttl_s
-        self._seen: dict[tuple[str, str, str], float] = {}
+        self._seen: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], float]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _key(session: Session, table: str, name: str) -> tuple[str, str, str]:
-        return (session.get_bind().url.render_as_string(hide_password=True), table, name)
-
     def __contains__(self, item: tuple[Session, str, str]) -> bool:
-        seen = self._seen.get(self._key(*item))
+        session, table, name = item
+        seen = self._seen.get(session.get_bind(), {}).get((table, name))
         return seen is not None and time.monotonic() - seen < self.ttl_s
 
     def add(self, session: Session, table: str, name: str) -> None:
         with self._lock:
-            if len(self._seen) > 10_000:
-                self._seen.clear()
-            self._seen[self._key(session, table, name)] = time.monotonic()
+            names = self._seen.setdefault(session.get_bind(), {})
+            if len(names) > 10_000:
+                names.clear()
+            names[(table, name)] = time.monotonic()
 
 
 KNOWN = _Known()
@@ -244,8 +245,8 @@ class ListedJob:
     """`spec.spec.maxSteps`, extracted in SQL."""
 
 
-_LISTED = (Job.id, Job.name, Job.project, Job.queue, Job.backend, Job.priority, Job.phase, Job.message,
-           Job.desired_state, Job.current_attempt, Job.world_size, Job.created_at, Job.updated_at, Job.finished_at)
+_DERIVED = ("labels", "step", "max_steps")  # the fields of a ListedJob that are not columns of `jobs`
+_LISTED = tuple(getattr(Job, f.name) for f in fields(ListedJob) if f.name not in _DERIVED)
 
 
 def list_jobs(
