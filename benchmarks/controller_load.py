@@ -9,7 +9,9 @@ Without --database-url it starts a throwaway PostgreSQL cluster (as the tests do
 comes from one asyncio client process. Targets: 200 concurrent submits with 0 errors and p99 < 1 s;
 1,000 in bursts of 100 with no 5xx (a 429 with Retry-After is back-pressure, counted apart); list/get
 p99 < 50 ms at 10,000 jobs with 8 readers while submits run; /healthz p99 < 100 ms in every phase.
-Prints one JSON line per phase.
+Prints one JSON line per phase. The load comes from `benchmarks/raw_http.py` by default (`--client raw`),
+whose requests cost a fraction of httpx's client CPU on the machine the server shares;
+`--client httpx` measures with httpx instead.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.controller.pg and benchmarks.controller_api when run as a script
 
 from benchmarks.controller_api import ADMIN, _fresh_database, _pct, _seed  # noqa: E402
+from benchmarks.raw_http import RawClient  # noqa: E402
+from benchmarks.raw_http import TransportError as RawTransportError  # noqa: E402
 from deepfleet.controller.db.migrate import upgrade_head  # noqa: E402
 
 SERVER = """
@@ -64,14 +68,23 @@ spec:
 HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 
 
+def client(base: str, kind: str, *, connections: int, headers: dict[str, str] | None = None):
+    """An async client of the API at `base`: the lean raw one or httpx, with the same calls."""
+    if kind == "raw":
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        return RawClient(host, int(port), headers=headers, connections=connections)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=base, headers=headers, timeout=120, limits=limits)
+
+
 class Health:
     """Samples /healthz every 20 ms on its own connection while a phase runs."""
 
-    def __init__(self, base: str) -> None:
-        self.base, self.times, self._stop = base, [], asyncio.Event()
+    def __init__(self, base: str, kind: str) -> None:
+        self.base, self.kind, self.times, self._stop = base, kind, [], asyncio.Event()
 
     async def run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.base, timeout=30) as c:
+        async with client(self.base, self.kind, connections=1) as c:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
                 (await c.get("/healthz")).raise_for_status()
@@ -88,7 +101,7 @@ async def _submit(c: httpx.AsyncClient, i: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     try:
         r = await c.post("/v1/jobs", content=JOB.format(i=i), headers={"Content-Type": "application/yaml"})
-    except httpx.TransportError:  # a reset or a timeout: counted as an error (status 0), never hidden
+    except (httpx.TransportError, RawTransportError):  # a reset or a timeout: counted as an error (status 0), never hidden
         return 0, (time.perf_counter() - t0) * 1000
     return r.status_code, (time.perf_counter() - t0) * 1000
 
@@ -137,12 +150,11 @@ def _cpu_s(server: psutil.Process) -> float:
 
 
 async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: psutil.Process) -> None:
-    limits = httpx.Limits(max_connections=args.concurrent + 16, max_keepalive_connections=args.concurrent + 16)
-    async with httpx.AsyncClient(base_url=base, headers=HEADERS, timeout=120, limits=limits) as c:
+    async with client(base, args.client, connections=args.concurrent + 16, headers=HEADERS) as c:
         counter = iter(range(10**9))
         await _server_cpu(c, server, ids, counter)
 
-        health = Health(base)
+        health = Health(base, args.client)
         sampler = asyncio.create_task(health.run())
         t0 = time.perf_counter()
         results = await asyncio.gather(*(_submit(c, next(counter)) for _ in range(args.concurrent)))
@@ -152,7 +164,7 @@ async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: p
                           and (summary["p99_ms"] or 1e9) < 1000}), flush=True)
         await sampler
 
-        health = Health(base)
+        health = Health(base, args.client)
         sampler = asyncio.create_task(health.run())
         results, t0 = [], time.perf_counter()
         for _ in range(args.total // args.burst):
@@ -162,7 +174,7 @@ async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: p
                           **health.stop(), "target": "no 5xx", "ok": summary["server_errors"] == 0}), flush=True)
         await sampler
 
-        health = Health(base)
+        health = Health(base, args.client)
         sampler = asyncio.create_task(health.run())
         stop = asyncio.Event()
 
@@ -211,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--reads", type=int, default=200, help="requests per reader")
     parser.add_argument("--max-inflight", type=int, default=12, help="the server's max_inflight_requests, shared by its processes")
+    parser.add_argument("--client", choices=["raw", "httpx"], default="raw",
+                        help="the load generator's HTTP client (raw: benchmarks/raw_http.py, lean on CPU)")
     parser.add_argument("--api-processes", type=int, default=3, help="server processes on the socket "
                         "(`deepfleet server --api-processes`)")
     args = parser.parse_args(argv)
