@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from deepfleet.engine.config_base import Bool, ConfigSection, Int
+from deepfleet.engine.config_parallel import OFF_VALUES
 
 
 class LayerSpec(ConfigSection):
@@ -69,4 +70,4 @@ class TensorParallelConfig(ConfigSection):
 
     @property
     def degree(self) -> int:
-        return max(1, self.autotp_size)
+        return 1 if self.autotp_size == OFF_VALUES["tp"] else self.autotp_size  # 0 is DeepSpeed's "off"
