@@ -350,7 +350,6 @@ class CurriculumDataSampler:
         self.cluster_difficulties: list[dict[str, int]] = []  # the difficulties each cluster was made at
         self.cluster_positions: list[int] = []
         self.cluster_reshuffles: list[int] = []
-        self._previous: dict[str, int] | None = None  # the difficulties the last cluster check used
         self._members: list[np.ndarray] = []  # each cluster's samples, sorted
         self._clusters: list[np.ndarray] = []  # the same in the current shuffled order
         self._states: deque[dict[str, Any]] = deque()  # the state after each batch yielded (for the loader)
@@ -384,10 +383,9 @@ class CurriculumDataSampler:
     def _cluster_name(self, difficulties: dict[str, int]) -> str:
         return "cluster" + "".join(f"_{name}{difficulties[name]}" for name in self.metrics)
 
-    def _new_cluster(self, difficulties: dict[str, int]) -> None:
-        allowed_before = self._allowed(self._previous)
-        members = np.setdiff1d(self._allowed(difficulties), allowed_before, assume_unique=True)
-        self._previous = dict(difficulties)
+    def _new_cluster(self, difficulties: dict[str, int], before: dict[str, int] | None) -> None:
+        """A cluster of the samples `difficulties` allow that `before` (the last check's; None: none yet) did not."""
+        members = np.setdiff1d(self._allowed(difficulties), self._allowed(before), assume_unique=True)
         if len(members) == 0:
             log.info("curriculum: difficulties %s allow no new samples; no cluster added", difficulties)
             return
@@ -416,7 +414,6 @@ class CurriculumDataSampler:
             self._members.append(np.setdiff1d(self._allowed(difficulties), self._allowed(previous), assume_unique=True))
             self._clusters.append(self._shuffle(index))
             previous = difficulties
-        self._previous = dict(self.current_difficulties) if self.current_difficulties else None
 
     def _take(self, index: int, count: int) -> list[int]:
         start = self.cluster_positions[index]
@@ -434,9 +431,11 @@ class CurriculumDataSampler:
         self.curriculum_step += 1
         difficulties = {name: int(m.scheduler.update_difficulty(self.curriculum_step))
                         for name, m in self.metrics.items()}
-        if difficulties != self.current_difficulties or self._previous is None:
+        # Every metric has a difficulty once a check has run (a curriculum has at least one metric).
+        before = self.current_difficulties or None
+        if difficulties != self.current_difficulties or before is None:
             self.current_difficulties = difficulties
-            self._new_cluster(difficulties)
+            self._new_cluster(difficulties, before)
         if not self._clusters:
             raise ValueError(
                 f"curriculum_metrics: no sample is allowed at difficulties {difficulties} (step "
