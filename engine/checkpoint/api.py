@@ -71,12 +71,25 @@ def _check_tp_degree(engine: Any, reader: StepReader) -> None:
     parallel = getattr(engine, "parallel", None)
     saved = (reader.manifest.degrees or {}).get("tp", 1)
     now = parallel.tp if parallel is not None else 1
+    if saved == now:
+        return
     fused = fused_layers(engine.module) if now > 1 else []
-    if saved != now and (fused or saved > 1 and _has_fused_names(reader)):
+    saved_fused = reader.manifest.tp_fused
+    if saved_fused is None:  # an older checkpoint: only the built-in rules' names tell
+        saved_fused = ["qkv-style layers"] if saved > 1 and _has_fused_names(reader) else []
+    if fused or saved_fused:
         raise CheckpointError(
             f"tensor_parallel.autotp_size: the checkpoint was saved at tp {saved}, this run is at tp {now}, and "
-            f"its fused weights ({', '.join(fused[:3]) or 'qkv-style layers'}) are stored in the order of that "
+            f"its fused weights ({', '.join((fused or saved_fused)[:3])}) are stored in the order of that "
             f"degree; resume with autotp_size {saved if saved > 1 else 0}")
+
+
+def _fused_at_save(engine: Any, parallel: Any) -> list[str]:
+    if parallel is None or parallel.tp <= 1:
+        return []
+    from deepfleet.engine.autotp import fused_layers
+
+    return fused_layers(engine.module)
 
 
 def _has_fused_names(reader: StepReader) -> bool:
@@ -136,6 +149,7 @@ def save_checkpoint(
             "micro_steps": int(engine.micro_steps),
             "world_size": world,
             "degrees": parallel.degrees() if parallel is not None else None,
+            "tp_fused": _fused_at_save(engine, parallel),
             "zero_stage": _zero_stage(engine),
             "config_hash": config_hash(getattr(engine, "config", None)),
             "deepfleet_version": _version("deepfleet"),

@@ -42,6 +42,10 @@ class Manifest(BaseModel):
     """The parallelism degrees that wrote it (engine.parallel.degrees(): pp, dp_replicate, dp_shard, ep,
     sp, tp, world_size); None in checkpoints written before degrees were recorded. Loads reshard to
     any data-parallel size."""
+    tp_fused: list[str] | None = None
+    """Tensor-parallel parameters saved in the share order of their tp degree (fused weights such as a
+    qkv split per sub-block), so they resume at that degree only; None in checkpoints written before
+    they were recorded."""
     zero_stage: int | None
     config_hash: str | None
     deepfleet_version: str

@@ -4,6 +4,8 @@ untouched model's; checkpoints resume at the same and at another tp degree; bad 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -153,7 +155,9 @@ def test_checkpoints_resume_at_the_same_and_at_another_tp_degree(tmp_path) -> No
     assert _close(whole["losses"], straight[0]["losses"][2:], 1e-5)
     # fused q/k/v are stored in the share order of their degree: another degree is refused by name
     spawn(_run, 2, "gpt", 0, 2, 1, 4, str(tmp_path / "gpt"), None)
-    with pytest.raises(RuntimeError, match="saved at tp 2, this run is at tp 1"):
+    manifest = json.loads(next((tmp_path / "gpt").glob("*/manifest.json")).read_text())
+    assert manifest["tp_fused"] == [f"gpt.blocks.{i}.qkv.{p}" for i in range(2) for p in ("weight", "bias")]  # the names, whatever rule split them
+    with pytest.raises(RuntimeError, match=r"saved at tp 2, this run is at tp 1, and its fused weights \(gpt\.blocks"):
         spawn(_run, 1, "gpt", 0, 1, 1, 4, None, str(tmp_path / "gpt"))
 
 
