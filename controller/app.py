@@ -17,9 +17,10 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from deepfleet.controller.api import health, jobs, queues, secrets, tokens, workers
 from deepfleet.controller.api.deps import ApiError
@@ -50,6 +51,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"detail": exc.detail, "errors": []}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_: Request, exc: ClientDisconnect) -> Response:
+        # The client closed its connection before its whole request arrived: nobody is left to answer
+        # and nothing went wrong here, so no traceback is logged (uvicorn would log one as a 500).
+        return Response(status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -72,6 +72,27 @@ def test_an_unreachable_database_is_503_json_logged_once(tmp_path, caplog: pytes
     assert len(lines) == 1 and lines[0].exc_info is None
 
 
+def test_a_client_that_leaves_mid_body_is_no_server_error(client, app) -> None:
+    """A submit whose client disconnects before its whole body arrived ends quietly: no exception
+    escapes the application (uvicorn would log it as a 500 with a traceback)."""
+    messages = iter([{"type": "http.request", "body": b"apiVersion: deepfleet/v1\n", "more_body": True},
+                     {"type": "http.disconnect"}])
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(k.lower().encode(), v.encode()) for k, v in yaml_headers(ADMIN).items()]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/jobs", "raw_path": b"/v1/jobs", "query_string": b"", "root_path": "",
+             "headers": headers, "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [400]
+
+
 def test_values_postgres_cannot_store_are_422(client, app) -> None:
     member = token(app, project="research", role="member")
     doc = {"apiVersion": "deepfleet/v1", "kind": "TrainingJob", "metadata": {"name": "n", "project": "research"},
