@@ -1,21 +1,25 @@
 """Long-sequence benchmarks on the CPU: block-sparse vs dense attention, and sequence vs data parallelism.
 
-Run: `python benchmarks/long_sequence.py [--quick] [--out results.jsonl]`; prints one JSON line per
-measurement and a summary line per target. Every measurement runs in a fresh subprocess, so its peak
-memory is that process's own high-water mark (`ru_maxrss`) minus its resident size after building the
-inputs; one thread per process (the machine is shared: timings are noisy, ratios of runs interleaved in
-the same invocation are the figures to read).
+Run: `python benchmarks/long_sequence.py [--quick] [--only SECTION] [--out results.jsonl]`; prints one JSON
+line per measurement and a summary line per target. One thread throughout (the machine is shared: timings
+are noisy, so the figures to read are ratios of cases timed in interleaved rounds of the same process).
+Shapes chosen so that every row, 32k tokens included, runs on a 2-core machine: batch 1, 2 heads, head
+dim 64, block 64, causal (unidirectional layouts); one forward + backward per measurement.
 
-1. `time_memory`: forward + backward time and peak extra memory of `block_sparse_attention` per layout mode
-   (fixed, variable, bigbird, bslongformer, local sliding window; block 64) against dense SDPA (torch's CPU
-   flash kernel, causal flag, no mask) and dense SDPA given the layout as a mask, at 2k, 8k, 32k tokens
-   (dense at 32k: forward only, its backward takes minutes on one core; masked dense stops at 8k; fixed
-   stops at 8k: one global block per local window makes its tiles grow quadratically with the length).
+1. `time_memory` (with the `speedup` summary): per length (2k, 8k, 32k), the time of dense SDPA (torch's
+   CPU flash kernel, causal flag, no mask), `block_sparse_attention` per layout mode (fixed, variable,
+   bigbird, bslongformer, local sliding window) and dense SDPA given the layout as a mask (up to 8k: at
+   32k its (H, S, S) mask alone is 2 GiB and its scores 8 GiB), as medians of interleaved rounds in one
+   process (5 rounds at 2k, 3 at 8k, 1 at 32k); and each case's peak memory, measured in a fork of the
+   warmed-up parent (no import or one-off setup in the figure): the resident high-water mark, reset after
+   the inputs are built, minus the resident size then (it includes the inputs' gradients and ~15-20 MB
+   that every case shows at small lengths: allocator pages and first-touch). `speedup`: sparse BigBird
+   over dense SDPA at the lengths where its block sparsity is >= 90% (8k, 32k) — target >= 4x.
 2. `budget`: the longest power-of-two length (one head) that sparse BigBird and masked dense SDPA train
-   (fwd + bwd) within a fixed memory budget — target: sparse >= 8x the masked dense length. (Unmasked
-   flash SDPA is left out: on the CPU its memory is linear in the length; it is bound by time instead.)
-3. `speedup`: sparse vs dense SDPA at >= 90% block sparsity (BigBird at 8k/16k tokens) — target >= 4x.
-4. `sp_vs_dp`: tokens/s of one training step of an attention layer on 2 gloo ranks, Ulysses sequence
+   (fwd + bwd) within a fixed memory budget (2 GiB) — target: sparse >= 8x the masked dense length; the
+   sparse search stops at 256k tokens (`capped_at`). (Unmasked flash SDPA is left out: on the CPU its
+   memory is linear in the length; it is bound by time instead, see the 32k rows.)
+3. `sp_vs_dp`: tokens/s of one training step of an attention layer on 2 gloo ranks, Ulysses sequence
    parallelism (each sequence split over the ranks) vs data parallelism (whole sequences per rank), at
    the same global tokens per step.
 """
