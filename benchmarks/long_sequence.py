@@ -1,21 +1,25 @@
 """Long-sequence benchmarks on the CPU: block-sparse vs dense attention, and sequence vs data parallelism.
 
-Run: `python benchmarks/long_sequence.py [--quick] [--out results.jsonl]`; prints one JSON line per
-measurement and a summary line per target. Every measurement runs in a fresh subprocess, so its peak
-memory is that process's own high-water mark (`ru_maxrss`) minus its resident size after building the
-inputs; one thread per process (the machine is shared: timings are noisy, ratios of runs interleaved in
-the same invocation are the figures to read).
+Run: `python benchmarks/long_sequence.py [--quick] [--only SECTION] [--out results.jsonl]`; prints one JSON
+line per measurement and a summary line per target. One thread throughout (the machine is shared: timings
+are noisy, so the figures to read are ratios of cases timed in interleaved rounds of the same process).
+Shapes chosen so that every row, 32k tokens included, runs on a 2-core machine: batch 1, 2 heads, head
+dim 64, block 64, causal (unidirectional layouts); one forward + backward per measurement.
 
-1. `time_memory`: forward + backward time and peak extra memory of `block_sparse_attention` per layout mode
-   (fixed, variable, bigbird, bslongformer, local sliding window; block 64) against dense SDPA (torch's CPU
-   flash kernel, causal flag, no mask) and dense SDPA given the layout as a mask, at 2k, 8k, 32k tokens
-   (dense at 32k: forward only, its backward takes minutes on one core; masked dense stops at 8k; fixed
-   stops at 8k: one global block per local window makes its tiles grow quadratically with the length).
+1. `time_memory` (with the `speedup` summary): per length (2k, 8k, 32k), the time of dense SDPA (torch's
+   CPU flash kernel, causal flag, no mask), `block_sparse_attention` per layout mode (fixed, variable,
+   bigbird, bslongformer, local sliding window) and dense SDPA given the layout as a mask (up to 8k: at
+   32k its (H, S, S) mask alone is 2 GiB and its scores 8 GiB), as medians of interleaved rounds in one
+   process (5 rounds at 2k, 3 at 8k, 1 at 32k); and each case's peak memory, measured in a fork of the
+   warmed-up parent (no import or one-off setup in the figure): the resident high-water mark, reset after
+   the inputs are built, minus the resident size then (it includes the inputs' gradients and ~15-20 MB
+   that every case shows at small lengths: allocator pages and first-touch). `speedup`: sparse BigBird
+   over dense SDPA at the lengths where its block sparsity is >= 90% (8k, 32k) — target >= 4x.
 2. `budget`: the longest power-of-two length (one head) that sparse BigBird and masked dense SDPA train
-   (fwd + bwd) within a fixed memory budget — target: sparse >= 8x the masked dense length. (Unmasked
-   flash SDPA is left out: on the CPU its memory is linear in the length; it is bound by time instead.)
-3. `speedup`: sparse vs dense SDPA at >= 90% block sparsity (BigBird at 8k/16k tokens) — target >= 4x.
-4. `sp_vs_dp`: tokens/s of one training step of an attention layer on 2 gloo ranks, Ulysses sequence
+   (fwd + bwd) within a fixed memory budget (2 GiB) — target: sparse >= 8x the masked dense length; the
+   sparse search stops at 256k tokens (`capped_at`). (Unmasked flash SDPA is left out: on the CPU its
+   memory is linear in the length; it is bound by time instead, see the 32k rows.)
+3. `sp_vs_dp`: tokens/s of one training step of an attention layer on 2 gloo ranks, Ulysses sequence
    parallelism (each sequence split over the ranks) vs data parallelism (whole sequences per rank), at
    the same global tokens per step.
 """
@@ -23,11 +27,13 @@ the same invocation are the figures to read).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import random
-import resource
+import select
+import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 MODES = ("fixed", "variable", "bigbird", "bslongformer", "local")
 HEADS, HEAD_DIM, BLOCK = 2, 64, 64
+MASKED_DENSE_MAX = 8192
 
 
 def _layout(mode: str, seq: int, heads: int):
@@ -55,56 +62,106 @@ def _layout(mode: str, seq: int, heads: int):
     return make().make_layout(seq)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def measure(impl: str, mode: str, seq: int, heads: int, backward: bool) -> dict:
-    """One run in this process: {seconds, peak_extra_bytes, density}."""
+def _prepare(impl: str, mode: str, seq: int, heads: int, backward: bool):
+    """Inputs and a zero-argument call that runs one forward (+ backward) of `impl`; and the density."""
     import torch
     import torch.nn.functional as F
 
     from deepfleet.kernels.block_sparse_attention import block_sparse_attention, expand_layout, layout_blocks
 
-    torch.set_num_threads(1)
-    if impl == "sparse":  # the custom op's first call pays a one-off setup (~6 s here); keep it out
-        w = torch.randn(1, 1, BLOCK, 8, requires_grad=True)
-        rw, cw = layout_blocks(torch.ones(1, 1, 1, dtype=torch.int64))
-        block_sparse_attention(w, w, w, rw, cw, block=BLOCK).sum().backward()
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, heads, seq, HEAD_DIM, requires_grad=backward) for _ in range(3))
     layout = _layout(mode, seq, heads) if mode != "none" else None
     rows, cols = layout_blocks(layout) if layout is not None else (None, None)
     density = float(layout.float().mean()) if layout is not None else 1.0
-    base = _rss_bytes()
+
+    def call() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        with torch.set_grad_enabled(backward):
+            if impl == "sparse":
+                out = block_sparse_attention(q, k, v, rows, cols, block=BLOCK, causal=True)
+            elif impl == "dense_masked":
+                mask = expand_layout(layout, BLOCK, causal=True)  # (H, S, S): the layout in dense form
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:  # dense: SDPA's CPU flash kernel, causal, no mask
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if backward:
+                out.sum().backward()
+
+    return call, density
+
+
+def _warm_up() -> None:
+    """Run every implementation once at a small length: the custom op's one-off setup (~2 s here) and the
+    first page-in of each kernel's code stay out of every figure (forked measurements inherit them)."""
+    import torch
+
+    torch.set_num_threads(1)
+    for impl, mode in (("sparse", "bigbird"), ("dense_masked", "bigbird"), ("dense", "none")):
+        _prepare(impl, mode, 4 * BLOCK, HEADS, True)[0]()
+
+
+def measure(impl: str, mode: str, seq: int, heads: int, backward: bool) -> dict:
+    """One run in this (forked) process: {seconds, peak_extra_bytes, density}. The peak is the resident
+    high-water mark (reset after the inputs are built) minus the resident size then."""
+    call, density = _prepare(impl, mode, seq, heads, backward)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    base = _status_kib("VmRSS")
     start = time.perf_counter()
-    with torch.set_grad_enabled(backward):
-        if impl == "sparse":
-            out = block_sparse_attention(q, k, v, rows, cols, block=BLOCK, causal=True)
-        elif impl == "dense_masked":
-            mask = expand_layout(layout, BLOCK, causal=True)  # (H, S, S): the layout in dense form
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:  # dense: SDPA's CPU flash kernel, causal, no mask
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if backward:
-            out.sum().backward()
+    call()
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": seconds, "peak_extra_bytes": max(0, peak - base), "density": density}
+    return {"seconds": seconds, "peak_extra_bytes": max(0, _status_kib("VmHWM") - base) * 1024, "density": density}
+
+
+def timing(cases: list[list], seq: int, rounds: int) -> dict:
+    """Interleaved rounds in this one process: every case once per round, median seconds per case."""
+    calls = [(_prepare(impl, mode, seq, HEADS, backward)[0]) for impl, mode, backward in cases]
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(rounds):  # interleaved: load changes hit every implementation alike
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            times[i].append(time.perf_counter() - start)
+    return {f"{impl}/{mode}": statistics.median(t) for (impl, mode, _), t in zip(cases, times, strict=True)}
+
+
+def _forked(fn, *args, timeout: float) -> dict:
+    """Run fn(*args) -> dict in a fork of this warmed-up process (its own memory high-water mark, no import
+    or warm-up cost); an error or a timeout comes back as {"error": ...}."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the child does not reuse it unseen
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one thread (forking is safe with torch's pool at one thread)
+        os.close(read_fd)
+        try:
+            result = fn(*args)
+        except BaseException as e:  # report every failure to the parent
+            result = {"error": f"{type(e).__name__}: {e}"[:200]}
+        with os.fdopen(write_fd, "w") as w:
+            w.write(json.dumps(result))
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as r:
+        ready, _, _ = select.select([r], [], [], timeout)
+        text = r.read() if ready else ""
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if not text:
+        return {"error": f"timeout {timeout:.0f}s" if not ready else f"child died (status {status})"}
+    return json.loads(text)
 
 
 def run_one(impl: str, mode: str, seq: int, *, heads: int = HEADS, backward: bool = True,
             timeout: float = 900) -> dict:
-    cmd = [sys.executable, __file__, "--one", json.dumps([impl, mode, seq, heads, backward])]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout {timeout:.0f}s"}
-    if proc.returncode:
-        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:200]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _forked(measure, impl, mode, seq, heads, backward, timeout=timeout)
 
 
 def emit(record: dict, out) -> None:
@@ -114,42 +171,43 @@ def emit(record: dict, out) -> None:
         out.write(line + "\n")
 
 
-def time_memory(lengths: list[int], repeats: int, out) -> None:
+def _masked_dense_fits(seq: int) -> bool:
+    return seq <= MASKED_DENSE_MAX  # its (H, S, S) mask and scores: 8 GB and more at 32k
+
+
+def time_memory(lengths: list[int], rounds_at: dict[int, int], out) -> list[dict]:
+    """Per length: time (interleaved rounds in one process) and peak memory (a fresh process each)."""
+    rows = []
     for seq in lengths:
-        reps = repeats if seq <= 8192 else 1
-        runs: dict[tuple[str, str], list[dict]] = {}
-        for _ in range(reps):  # interleaved: noise hits every implementation alike
-            for mode in MODES:
-                if mode == "fixed" and seq > 8192:
-                    continue  # its global columns (one per window) grow with the length: GBs of tiles at 32k
-                runs.setdefault(("sparse", mode), []).append(run_one("sparse", mode, seq))
-                if seq <= 8192:
-                    runs.setdefault(("dense_masked", mode), []).append(run_one("dense_masked", mode, seq))
-            runs.setdefault(("dense", "none"), []).append(run_one("dense", "none", seq, backward=seq <= 8192))
-        dense = _median(runs[("dense", "none")])
-        for (impl, mode), rs in runs.items():
-            m = _median(rs)
-            rec = {"bench": "time_memory", "tokens": seq, "impl": impl, "mode": mode, **m,
-                   "backward": not (impl == "dense" and seq > 8192)}
-            if impl != "dense" and "seconds" in m and "seconds" in dense and seq <= 8192:
-                rec["speedup_vs_dense_sdpa"] = dense["seconds"] / m["seconds"]
+        cases = [["dense", "none", True]] + [["sparse", m, True] for m in MODES]
+        cases += [["dense_masked", m, True] for m in MODES if _masked_dense_fits(seq)]
+        times = _forked(timing, cases, seq, rounds_at.get(seq, 1), timeout=3600)
+        dense_s = times.get("dense/none")
+        for impl, mode, _ in cases:
+            mem = run_one(impl, mode, seq)
+            rec = {"bench": "time_memory", "tokens": seq, "heads": HEADS, "head_dim": HEAD_DIM, "block": BLOCK,
+                   "impl": impl, "mode": mode, "backward": True, "seconds": times.get(f"{impl}/{mode}"),
+                   "peak_extra_bytes": mem.get("peak_extra_bytes"), "density": mem.get("density"),
+                   "rounds": rounds_at.get(seq, 1)}
+            if "error" in times or "error" in mem:
+                rec["error"] = times.get("error") or mem.get("error")
+            if impl != "dense" and rec["seconds"] and dense_s:
+                rec["speedup_vs_dense_sdpa"] = dense_s / rec["seconds"]
             emit(rec, out)
+            rows.append(rec)
+        for mode in MODES:
+            if not _masked_dense_fits(seq):
+                emit({"bench": "time_memory", "tokens": seq, "impl": "dense_masked", "mode": mode,
+                      "skipped": f"its (H, S, S) mask alone is {HEADS * seq * seq / 2**30:.0f} GiB"}, out)
+    return rows
 
 
-def _median(runs: list[dict]) -> dict:
-    ok = [r for r in runs if "seconds" in r]
-    if not ok:
-        return runs[0]
-    return {"seconds": statistics.median(r["seconds"] for r in ok),
-            "peak_extra_bytes": statistics.median(r["peak_extra_bytes"] for r in ok), "density": ok[0]["density"]}
-
-
-def budget(budget_bytes: int, max_len: int, out) -> dict:
+def budget(budget_bytes: int, start: int, max_len: int, out) -> dict:
     reached = {}
     # SDPA's CPU flash kernel without a mask needs memory linear in the length (it is time-bound, not
     # memory-bound); the dense form of a sparse layout is SDPA with the layout as a mask.
     for impl, mode in (("dense_masked", "bigbird"), ("sparse", "bigbird")):
-        seq, best = 1024, 0
+        seq, best = start, 0
         while seq <= max_len:
             r = run_one(impl, mode, seq, heads=1)
             ok = "seconds" in r and r["peak_extra_bytes"] <= budget_bytes
@@ -161,21 +219,18 @@ def budget(budget_bytes: int, max_len: int, out) -> dict:
     ratio = reached["sparse"] / max(reached["dense_masked"], 1)
     emit({"bench": "budget", "summary": True, "budget_bytes": budget_bytes, "longest": reached,
           "sparse_over_masked_dense": ratio, "target": ">= 8x", "met": ratio >= 8,
-          "capped_at": max_len}, out)
+          "capped_at": max_len, "sparse_capped": reached["sparse"] == max_len}, out)
     return reached
 
 
-def speedup(lengths: list[int], repeats: int, out) -> None:
-    for seq in lengths:
-        sparse, dense = [], []
-        for _ in range(repeats):
-            sparse.append(run_one("sparse", "bigbird", seq))
-            dense.append(run_one("dense", "none", seq))
-        s, d = _median(sparse), _median(dense)
-        ratio = d["seconds"] / s["seconds"]
-        emit({"bench": "speedup", "tokens": seq, "mode": "bigbird", "block_sparsity": 1 - s["density"],
-              "sparse_seconds": s["seconds"], "dense_sdpa_seconds": d["seconds"], "speedup": ratio,
-              "target": ">= 4x at >= 90% sparsity", "met": ratio >= 4 and s["density"] <= 0.1}, out)
+def speedup(rows: list[dict], out) -> None:
+    """The speedup of sparse BigBird over dense SDPA at the lengths where its block sparsity is >= 90%."""
+    for rec in rows:
+        if rec["impl"] == "sparse" and rec["mode"] == "bigbird" and rec.get("speedup_vs_dense_sdpa"):
+            sparsity = 1 - rec["density"]
+            emit({"bench": "speedup", "tokens": rec["tokens"], "mode": "bigbird", "block_sparsity": sparsity,
+                  "speedup": rec["speedup_vs_dense_sdpa"], "target": ">= 4x at >= 90% sparsity",
+                  "counts": sparsity >= 0.9, "met": rec["speedup_vs_dense_sdpa"] >= 4 and sparsity >= 0.9}, out)
 
 
 def _sp_dp_rank(rank: int, world: int, mode: str, seq: int, steps: int) -> float:
@@ -237,25 +292,23 @@ def sp_vs_dp(seq: int, steps: int, repeats: int, out) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small lengths, one repeat (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="small lengths, one round (a smoke run)")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", choices=("time_memory", "budget", "speedup", "sp_vs_dp"))
+    parser.add_argument("--only", choices=("time_memory", "budget", "sp_vs_dp"))
     parser.add_argument("--budget-gib", type=float, default=2.0)
-    parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        impl, mode, seq, heads, backward = json.loads(args.one)
-        print(json.dumps(measure(impl, mode, seq, heads, backward)))
-        return
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: one thread, and forks stay safe
+    _warm_up()
     out = args.out.open("w") if args.out else None
     lengths = [1024, 2048] if args.quick else [2048, 8192, 32768]
-    repeats = 1 if args.quick else 3
+    rounds_at = {} if args.quick else {2048: 5, 8192: 3, 32768: 1}
     if args.only in (None, "time_memory"):
-        time_memory(lengths, repeats, out)
+        speedup(time_memory(lengths, rounds_at, out), out)
     if args.only in (None, "budget"):
-        budget(int(args.budget_gib * 2**30) if not args.quick else 2**28, 8192 if args.quick else 262144, out)
-    if args.only in (None, "speedup"):
-        speedup([2048] if args.quick else [8192, 16384], repeats, out)
+        if args.quick:
+            budget(2**28, 1024, 8192, out)
+        else:
+            budget(int(args.budget_gib * 2**30), 2048, 262144, out)
     if args.only in (None, "sp_vs_dp"):
         sp_vs_dp(1024 if args.quick else 4096, 2 if args.quick else 3, 1 if args.quick else 3, out)
 

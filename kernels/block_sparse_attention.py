@@ -1,9 +1,11 @@
 """Block-sparse attention that computes only a layout's non-zero blocks, forward and backward.
 
 Called by `deepfleet.engine.attention.sparse_self_attention` (DeepSpeed's `SparseSelfAttention`) and by
-the sequence-parallel attention when it runs a sparse layout. The pure-torch functions here are the
-specification and the CPU path; `deepfleet::block_sparse_attention` and its `_backward` op dispatch to
-them or to `kernels/_triton/block_sparse_attention.py` (see `_dispatch`).
+the sequence-parallel attention when it runs a sparse layout. The tile-wise pure-torch functions here
+(`forward_reference`, `backward_reference`) are the specification; `deepfleet::block_sparse_attention`
+and its `_backward` op dispatch to `kernels/_triton/block_sparse_attention.py` on the GPU (see
+`_dispatch`) and otherwise to the row-batched CPU path in `block_sparse_rows.py`, which tests compare
+against the specification.
 
 Why hand-written: torch's `flex_attention` has no backward on CPU (2.13), and a dense masked softmax
 costs memory quadratic in the sequence. This one gathers, for each non-zero block (h, r, c) of the
@@ -29,6 +31,7 @@ import math
 import torch
 from torch import Tensor
 
+from deepfleet.kernels import block_sparse_rows
 from deepfleet.kernels._dispatch import triton_module, use_triton
 
 
@@ -125,7 +128,7 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, col
     """Forward: (out, lse)."""
     if use_triton(q, k, v):
         return triton_module("block_sparse_attention").forward(q, k, v, rows, cols, bias, scale, causal, block)
-    return forward_reference(q, k, v, rows, cols, bias, scale, causal, block)
+    return block_sparse_rows.forward(q, k, v, rows, cols, bias, scale, causal, block)
 
 
 @block_sparse_attention_op.register_fake
@@ -142,7 +145,7 @@ def block_sparse_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Te
         return triton_module("block_sparse_attention").backward(
             dout, q, k, v, out, lse, rows, cols, bias, scale, causal, block
         )
-    return backward_reference(dout, q, k, v, out, lse, rows, cols, bias, scale, causal, block)
+    return block_sparse_rows.backward(dout, q, k, v, out, lse, rows, cols, bias, scale, causal, block)
 
 
 @block_sparse_attention_backward_op.register_fake
