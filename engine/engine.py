@@ -40,7 +40,7 @@ from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.eigenvalue import Eigenvalue
 from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
-from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_size
+from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_sizes
 from deepfleet.engine.parallel import ParallelDims
 from deepfleet.engine.privacy import DPSGD, build_privacy
 from deepfleet.engine.zero.construction import gather_whole
@@ -518,12 +518,14 @@ def _config_and_degrees(source: Any, *, world_size: int, model: nn.Module | None
         cfg = load_config(source, world_size=world_size, dp_size=raw_dp_size(source, world_size=world_size))
     try:
         # the model's MoE layers name their expert-parallel degree (DeepSpeed scripts set it only there)
-        ep = model_ep_size(model, cfg.moe.ep_size if cfg.moe is not None else None) if model is not None else None
-        from_model = {"ep": (ep, "MoE(ep_size=...)")} if ep is not None else {}
+        # (several, when layers differ: each degree gets its own groups, as in DeepSpeed)
+        eps = model_ep_sizes(model, cfg.moe.ep_size if cfg.moe is not None else None) if model is not None else []
+        from_model = {"ep": (max(eps), "MoE(ep_size=...)")} if eps else {}
         tp = model_tp_size(model, cfg.tensor_parallel.autotp_size)  # deepspeed.tp_model_init(model, tp_size)
         if tp is not None and tp > 1:
             from_model["tp"] = (tp, "tp_model_init(tp_size=...)")
-        parallel = ParallelDims.from_config(cfg, world_size=world_size, model_degrees=from_model or None)
+        parallel = ParallelDims.from_config(cfg, world_size=world_size, model_degrees=from_model or None,
+                                            ep_sizes=tuple(eps))
     except ValueError as e:
         from deepfleet.engine.config import ConfigError
 

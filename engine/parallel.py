@@ -14,7 +14,8 @@ parallelism (Ulysses), `tp` tensor parallelism. Their product is the world size;
 data-parallel degrees means "the rest". `ep` (expert parallelism) is not a mesh axis of its own: as in
 DeepSpeed, expert-parallel groups are carved out of the data-parallel ranks, so `ep` must divide
 `dp_replicate * dp_shard`, and the `ep` sub-mesh is the flattened `dp` axis unflattened into
-(`dp_mod_ep`, `ep`).
+(`dp_mod_ep`, `ep`). MoE layers of one model may use several ep degrees (`ep_sizes`; `ep` is the
+largest): each is its own unflattening of `dp`, with its own pair of sub-meshes.
 
 The mesh is torch's `init_device_mesh` over all five axes, size-1 axes included (measured on gloo,
 torch 2.13: building it at 2 and 3 ranks takes ~0.1 s; slicing a size-1 axis gives a one-rank group), so
@@ -47,6 +48,9 @@ class ParallelDims:
     sp: int = 1
     tp: int = 1
     world_size: int = 1
+    ep_sizes: tuple[int, ...] = ()
+    """Every expert-parallel degree the model's MoE layers use, when they use several (DeepSpeed lets each
+    layer pick its ep_size); `ep` is the largest. Empty: `ep` alone."""
     names: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     """degree -> the config key that set it, for error messages."""
 
@@ -91,12 +95,16 @@ class ParallelDims:
                 f"{spelled} = {product} != world_size {ws}; the degrees must multiply to the world size "
                 "(set dp_shard=-1 to give data parallelism the rest)"
             )
-        if self.dp_size % self.ep:
-            raise ValueError(
-                f"{self._label('ep')}: {self.ep} does not divide the data-parallel size {self.dp_size} "
-                f"(dp_replicate {self.dp_replicate} * dp_shard {self.dp_shard}); expert-parallel groups are "
-                f"carved out of the data-parallel ranks, so use a divisor of {self.dp_size}"
-            )
+        for ep in sorted({self.ep, *self.ep_sizes}):
+            if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+                raise ValueError(f"{self._label('ep')}: must be a positive integer, got {ep!r}")
+            if self.dp_size % ep:
+                raise ValueError(
+                    f"{self._label('ep')}: {ep} does not divide the data-parallel size {self.dp_size} "
+                    f"(dp_replicate {self.dp_replicate} * dp_shard {self.dp_shard}); expert-parallel groups "
+                    f"are carved out of the data-parallel ranks, so use a divisor of {self.dp_size}"
+                )
+        self.ep_sizes = tuple(sorted({self.ep, *self.ep_sizes} - {1}))
 
     @property
     def dp_size(self) -> int:
@@ -108,12 +116,13 @@ class ParallelDims:
         return {d: getattr(self, d) for d in ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp", "world_size")}
 
     @classmethod
-    def from_config(cls, cfg: Any, *, world_size: int, model_degrees: dict[str, tuple[int, str]] | None = None
-                    ) -> ParallelDims:
+    def from_config(cls, cfg: Any, *, world_size: int, model_degrees: dict[str, tuple[int, str]] | None = None,
+                    ep_sizes: tuple[int, ...] = ()) -> ParallelDims:
         """The degrees the config's sections ask for (`DEGREE_KEYS`); data parallelism takes the rest.
         `model_degrees` (degree -> (value, label)) are degrees the model itself asks for, e.g. its
-        `MoE(ep_size=...)` layers; they win over an unset config key. Raises ValueError naming the
-        config key (or the label) when they cannot tile `world_size` ranks."""
+        `MoE(ep_size=...)` layers; they win over an unset config key. `ep_sizes`: every ep degree of the
+        model's layers when they use several. Raises ValueError naming the config key (or the label) when
+        they cannot tile `world_size` ranks."""
         given: dict[str, int] = {}
         for degree, key in DEGREE_KEYS.items():
             value: Any = cfg
@@ -125,7 +134,7 @@ class ParallelDims:
         for degree, (value, label) in (model_degrees or {}).items():
             if degree not in given:
                 given[degree], names[degree] = value, label
-        return cls(**given, world_size=world_size, names=names)
+        return cls(**given, world_size=world_size, ep_sizes=tuple(ep_sizes), names=names)
 
     # -- the mesh --------------------------------------------------------------------------------
 
@@ -141,15 +150,24 @@ class ParallelDims:
         subs["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         if self.sp > 1:  # sequence-parallel ranks see other tokens of the same samples: gradients span both
             subs["dp_sp"] = mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
-        if self.ep > 1:
-            split = subs["dp"]._unflatten(0, (self.dp_size // self.ep, self.ep), ("dp_mod_ep", "ep"))
-            subs["ep"], subs["dp_mod_ep"] = split["ep"], split["dp_mod_ep"]
+        for ep in self.ep_sizes:  # one (dp_mod_ep, ep) split of the dp axis per expert-parallel degree
+            names = ("dp_mod_ep", "ep") if ep == self.ep else (f"dp_mod_ep_size_{ep}", f"ep_size_{ep}")
+            split = subs["dp"]._unflatten(0, (self.dp_size // ep, ep), names)
+            subs[names[0]], subs[names[1]] = split[names[0]], split[names[1]]
         self.mesh, self._submeshes = mesh, subs
         return mesh
 
+    def expert_submeshes(self, ep_size: int) -> tuple[Any, Any]:
+        """(ep sub-mesh, expert-data-parallel sub-mesh) of the expert-parallel degree `ep_size` (> 1, one
+        of `ep_sizes`): ranks exchanging tokens (consecutive dp ranks) and ranks holding the same experts."""
+        if ep_size == self.ep:
+            return self.submesh("ep"), self.submesh("dp_mod_ep")
+        return self.submesh(f"ep_size_{ep_size}"), self.submesh(f"dp_mod_ep_size_{ep_size}")
+
     def submesh(self, name: str) -> Any:
         """A named sub-mesh: one of `DIMS`, "dp" (dp_replicate x dp_shard flattened), with sp > 1 "dp_sp"
-        (dp x sp flattened) and, with ep > 1, "ep" and "dp_mod_ep". Raises KeyError for other names, RuntimeError before `build_mesh`."""
+        (dp x sp flattened), with ep > 1 "ep" and "dp_mod_ep", and for each other degree e of `ep_sizes`
+        "ep_size_<e>" and "dp_mod_ep_size_<e>". Raises KeyError for other names, RuntimeError before `build_mesh`."""
         if self.mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() has not run; the engine builds it in initialize")
         if name not in self._submeshes:

@@ -43,7 +43,7 @@ class ReplicatedStrategy(DDPStrategy):
         self._params = params
         self._master_of = {id(p): m for p, m in zip(params, self._masters, strict=True)}
         self._experts: list[int] = []  # MoE expert groups are not composed with pipelining here
-        self._ep = None
+        self._ep: list = []
         self._hook_state = _HookState(process_group, self._world_size)
         self.module = model
         self._optimizer = None

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from deepfleet.engine import comm
 from deepfleet.engine.autotp import tp_shard
-from deepfleet.engine.moe.groups import expert_groups
+from deepfleet.engine.moe.groups import by_expert_groups, expert_groups
 from deepfleet.engine.zero.gradients import (
     clip_to_norm_,
     split_global_norm,
@@ -117,7 +117,8 @@ class DDPStrategy:
         # Expert parameters on an expert-parallel mesh stay out of DDP (which would average them over
         # every data-parallel rank) and are averaged over their expert-data-parallel group here.
         self._experts = [i for i, p in enumerate(params) if expert_groups(p) is not None]
-        self._ep = expert_groups(params[self._experts[0]]) if self._experts else None
+        # per expert-parallel degree (moe/groups.py): its groups and its parameters' indices
+        self._ep = by_expert_groups((params[i], i) for i in self._experts)
         if self._experts:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 model, [self._names[i] for i in self._experts])
@@ -194,16 +195,15 @@ class DDPStrategy:
     def _reduce_experts(self) -> None:
         """Average expert gradients over their expert-data-parallel group (in fp32), in the 16-bit
         `.grad` that finish_gradients copies into the masters."""
-        if self._ep is None:
-            return
-        for i in self._experts:
-            p = self._params[i]
-            if p.grad is None:  # no token reached this expert: it still takes part in the reduction
-                p.grad = torch.zeros_like(p)
-            if self._ep.dp_size > 1:
-                wide = p.grad.to(torch.float32)
-                comm.all_reduce(wide, group=self._ep.dp_group)
-                p.grad.copy_(wide.div_(self._ep.dp_size))
+        for groups, indices in self._ep:
+            for i in indices:
+                p = self._params[i]
+                if p.grad is None:  # no token reached this expert: it still takes part in the reduction
+                    p.grad = torch.zeros_like(p)
+                if groups.dp_size > 1:
+                    wide = p.grad.to(torch.float32)
+                    comm.all_reduce(wide, group=groups.dp_group)
+                    p.grad.copy_(wide.div_(groups.dp_size))
 
     def _global_norm(self) -> float:
         # Dense gradients are whole on every rank; expert gradients are whole per ep rank, different
@@ -211,8 +211,9 @@ class DDPStrategy:
         # gradients local, it is this rank's local norm.
         experts = set(self._experts)
         dense = [m.grad for i, m in enumerate(self._masters) if m.grad is not None and i not in experts]
-        expert = [self._masters[i].grad for i in self._experts if self._masters[i].grad is not None]
-        norm = float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
+        expert = [(groups.ep_group, [self._masters[i].grad for i in indices if self._masters[i].grad is not None])
+                  for groups, indices in self._ep]
+        norm = float(split_global_norm(dense, expert).item())
         return tensor_parallel_norm(norm, [self._masters[i].grad for i in self._tp if self._masters[i].grad is not None],
                                     self._tp_group)
 

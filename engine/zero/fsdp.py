@@ -71,7 +71,7 @@ class FSDPStrategy:
             policy = MixedPrecisionPolicy()
         else:
             policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        self._ep = None
+        self._ep: list[tuple[Any, set[str]]] = []  # per expert-parallel degree: its groups, its FQNs
         self._expert_names: set[str] = set()
 
         def shard() -> None:
@@ -82,8 +82,10 @@ class FSDPStrategy:
                 groups = next((expert_groups(p) for p in layer.experts.parameters()), None)
                 if groups is None:
                     continue
-                self._ep = groups
-                self._expert_names |= {name for name, p in model.named_parameters() if expert_groups(p) is groups}
+                names = {name for name, p in model.named_parameters() if expert_groups(p) is groups}
+                if not any(g is groups for g, _ in self._ep):
+                    self._ep.append((groups, names))
+                self._expert_names |= names
                 fully_shard(layer.experts, mesh=DeviceMesh.from_group(groups.dp_group, device.type), mp_policy=policy)
                 if groups.dp_size > 1 and dist.get_backend(groups.dp_group) == "gloo":
                     layer.experts.set_custom_reduce_scatter(RingReduceScatter())
@@ -151,8 +153,9 @@ class FSDPStrategy:
         # DTensor shards: their squares are summed over each mesh (one all-reduce per mesh); expert
         # shards' squares also over the expert-parallel group (each ep rank holds other experts).
         dense = [p.grad for n, p in self._params.items() if p.grad is not None and n not in self._expert_names]
-        expert = [p.grad for n, p in self._params.items() if p.grad is not None and n in self._expert_names]
-        return float(split_global_norm(dense, expert, self._ep.ep_group if self._ep else None).item())
+        expert = [(groups.ep_group, [p.grad for n, p in self._params.items() if p.grad is not None and n in names])
+                  for groups, names in self._ep]
+        return float(split_global_norm(dense, expert).item())
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         norm = self._norm if self._norm is not None else self._global_norm()  # finish_gradients took it

@@ -88,7 +88,8 @@ def global_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None =
     total = _sum_of_squares([t for t in whole if t.numel()], device)
     for pg, tensors in by_group.values():
         square = _sum_of_squares([t for t in tensors if t.numel()], device)
-        comm.all_reduce(square, op=comm.ReduceOp.SUM, group=pg)
+        if comm.get_world_size(pg) > 1:  # a one-rank group (an expert-data-parallel group at ep = dp) sums nothing
+            comm.all_reduce(square, op=comm.ReduceOp.SUM, group=pg)
         total = total + square
     for g in per_tensor:
         norm = torch.linalg.vector_norm(g, dtype=_ACCUMULATE).full_tensor()
@@ -96,14 +97,15 @@ def global_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None =
     return total.sqrt()
 
 
-def split_global_norm(dense: Sequence[torch.Tensor], experts: Sequence[torch.Tensor],
-                      ep_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """`global_norm` over dense gradients and expert gradients together: the experts' squares (each
-    rank's own experts, reduced over their shard group as `global_norm` does) are summed over the
-    expert-parallel group too, since each ep rank holds different experts. `ep_group` None: no experts."""
+def split_global_norm(dense: Sequence[torch.Tensor],
+                      experts: Sequence[tuple[dist.ProcessGroup, Sequence[torch.Tensor]]] = ()) -> torch.Tensor:
+    """`global_norm` over dense gradients and expert gradients together. `experts` holds one
+    `(ep_group, tensors)` pair per expert-parallel degree the model uses (moe/groups.py): each pair's
+    squares (each rank's own experts, reduced over their shard group as `global_norm` does) are summed over
+    its expert-parallel group too, since each ep rank of it holds different experts. Empty: no experts."""
     total = global_norm(list(dense)).pow(2)
-    if ep_group is not None:
-        square = global_norm(list(experts)).pow(2)
+    for ep_group, tensors in experts:
+        square = global_norm(list(tensors)).pow(2)
         comm.all_reduce(square, op=comm.ReduceOp.SUM, group=ep_group)
         total = total + square
     return total.sqrt()

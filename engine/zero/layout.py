@@ -275,7 +275,9 @@ def reduce_scatter(
     with it, the segment is ready after its `wait()`."""
     assert flat.numel() == bucket.flat_numel and segment.numel() == bucket.segment_numel
     group = bucket.group
-    if on_gloo(group):
+    if bucket.world_size == 1:  # a one-rank group (experts at ep = dp): the flat is the sum already
+        work, source, start = None, flat, 0
+    elif on_gloo(group):
         work = comm.all_reduce_gradients(flat, group=group, async_op=async_op)
         source, start = flat, bucket.rank * bucket.segment_numel
     else:

@@ -9,7 +9,7 @@ loop's MoE factory and `benchmarks/moe.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,13 @@ class MoEArgs:
     aux_loss_coef: float = 0.01
     bias_update_rate: float = 0.0
     moe_every: int = 1
+    layer_ep_sizes: tuple[int, ...] = ()  # per MoE layer, in order (DeepSpeed lets layers differ); () = ep_size
+
+    def for_layer(self, index: int) -> MoEArgs:
+        """The arguments of the `index`-th MoE layer (its own ep_size when `layer_ep_sizes` gives one)."""
+        if not self.layer_ep_sizes:
+            return self
+        return replace(self, ep_size=self.layer_ep_sizes[index % len(self.layer_ep_sizes)], layer_ep_sizes=())
 
     @classmethod
     def from_section(cls, section: object) -> MoEArgs:
@@ -94,7 +101,7 @@ class MoEGPTWithLoss(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(
             DenseBlock(cfg, dense_d_ff) if dense_d_ff is not None or (i + 1) % moe.moe_every
-            else MoEBlock(cfg, moe) for i in range(cfg.n_layers)
+            else MoEBlock(cfg, moe.for_layer((i + 1) // moe.moe_every - 1)) for i in range(cfg.n_layers)
         )
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

@@ -33,7 +33,8 @@ CONFIG = {
         ({"world_size": 6, "pp": 2}, {"dp_shard": 3}),
         ({"world_size": 8, "dp_replicate": 2, "tp": 2}, {"dp_shard": 2}),
         ({"world_size": 4, "dp_replicate": -1, "dp_shard": 2}, {"dp_replicate": 2}),
-        ({"world_size": 4, "ep": 2}, {"dp_shard": 4, "ep": 2}),
+        ({"world_size": 4, "ep": 2}, {"dp_shard": 4, "ep": 2, "ep_sizes": (2,)}),
+        ({"world_size": 4, "ep": 4, "ep_sizes": (1, 2, 4)}, {"ep": 4, "ep_sizes": (2, 4)}),  # MoE layers at several
         ({"world_size": 1}, {"dp_shard": 1}),
     ],
 )
@@ -56,6 +57,7 @@ def test_degrees_resolve_the_rest_to_data_parallelism(degrees, resolved):
         ({"world_size": 4, "dp_replicate": 3, "dp_shard": 2}, "= 6 != world_size 4"),
         ({"world_size": 4, "ep": 3}, "ep: 3 does not divide the data-parallel size 4 (dp_replicate 1 * dp_shard 4)"),
         ({"world_size": 8, "tp": 2, "ep": 8}, "ep: 8 does not divide the data-parallel size 4"),
+        ({"world_size": 4, "ep": 4, "ep_sizes": (3, 4)}, "ep: 3 does not divide the data-parallel size 4"),
         ({"world_size": 4, "tp": 0}, "tp: must be a positive integer, got 0"),
         ({"world_size": 4, "pp": -1}, "pp: must be a positive integer, got -1"),
         ({"world_size": 4, "sp": 1.5}, "sp: must be a positive integer, got 1.5"),

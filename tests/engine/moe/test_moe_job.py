@@ -24,13 +24,13 @@ def test_moe_job_spec_validates() -> None:
 
 
 def test_factory_builds_the_configured_moe_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    from deepfleet.engine.moe.groups import model_ep_size, moe_layers
+    from deepfleet.engine.moe.groups import model_ep_sizes, moe_layers
     from examples.gpt.factories import build_moe
 
     monkeypatch.setenv(ENGINE_CONFIG_ENV, (EXAMPLE / "moe_ds_config.json").read_text())
     job = build_moe(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2, num_samples=8)
     layers = moe_layers(job.model)
-    assert len(layers) == 2 and model_ep_size(job.model, 2) == 2
+    assert len(layers) == 2 and model_ep_sizes(job.model, 2) == [2]
     assert {(layer.gate.num_experts, layer.gate.k, layer.gate.capacity_factor) for layer in layers} == {(4, 2, 1.25)}
     monkeypatch.setenv(ENGINE_CONFIG_ENV, json.dumps({"moe": {"num_experts": 4, "ep_size": 3}}))
     with pytest.raises(ValueError, match="ep_size"):
