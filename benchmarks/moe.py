@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 VENV = ROOT / ".venv"
-DS_VENV = Path(os.environ.get("DEEPSPEED_VENV", "/work/.venv-deepspeed"))
+DS_VENV = Path(os.environ.get("DEEPSPEED_VENV", ROOT / ".venv-deepspeed"))
 
 
 def _shim_deepspeed_moe() -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.optim_step import HP, gpt_shapes  # noqa: E402
 
-DS_PYTHON = Path(os.environ.get("DEEPSPEED_VENV", "/work/.venv-deepspeed")) / "bin" / "python"
+DS_PYTHON = Path(os.environ.get("DEEPSPEED_VENV", ROOT / ".venv-deepspeed")) / "bin" / "python"
 
 
 def _engine(mode: str, nvme_dir: str, d_model: int, layers: int):

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 VENV = ROOT / ".venv"
-DS_VENV = Path(os.environ.get("DEEPSPEED_VENV", "/work/.venv-deepspeed"))
+DS_VENV = Path(os.environ.get("DEEPSPEED_VENV", ROOT / ".venv-deepspeed"))
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBV")
 
 

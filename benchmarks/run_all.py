@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
-DS_VENV = ROOT / ".venv-deepspeed"
+DS_VENV = Path(os.environ.get("DEEPSPEED_VENV", ROOT / ".venv-deepspeed"))  # benchmarks/setup_deepspeed.sh
 WORLD = 2
 
 

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DS_VENV = Path(os.environ.get("DEEPSPEED_VENV", ROOT / ".venv-deepspeed"))  # benchmarks/setup_deepspeed.sh
 sys.path.insert(0, str(ROOT))
 WORLD = 2
 
@@ -94,7 +95,7 @@ def measure_rank(args: argparse.Namespace) -> None:
 
 
 def run(impl: str, stage: int, gas: int, extra: list[str], *, timeout: int = 600) -> dict | None:
-    venv = ROOT / (".venv-deepspeed" if impl == "deepspeed" else ".venv")
+    venv = DS_VENV if impl == "deepspeed" else ROOT / ".venv"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
     cmd = [str(venv / "bin" / "python"), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(Path(__file__)), "--rank-run", "--impl", impl, "--stage", str(stage), "--gas", str(gas), *extra]
@@ -141,7 +142,7 @@ def main() -> None:
     if args.rank_run:
         measure_rank(args)
         return
-    impls = ["deepfleet"] + (["deepspeed"] if (ROOT / ".venv-deepspeed" / "bin" / "python").exists() else [])
+    impls = ["deepfleet"] + (["deepspeed"] if (DS_VENV / "bin" / "python").exists() else [])
     if "deepspeed" in impls and stale_build_locks():
         print(json.dumps({"bench": "zero_memory", "warning": "DeepSpeed may hang on these build locks; delete "
                           "them if no build is running: " + " ".join(map(str, stale_build_locks()))}), flush=True)
