@@ -48,9 +48,12 @@ def build_engine(spec: WorkerSpec) -> Any:
     model = _model_of(import_factory(spec.entrypoint)(**spec.entrypoint.args))
     quant = None if opts.quant is None else {"weight": {"num_bits": opts.quant.num_bits,
                                                         "group_size": opts.quant.group_size}}
-    return init_inference(model, dtype=opts.dtype, quant=quant, checkpoint=spec.checkpoint.dir,
-                          max_batch_size=opts.max_batch_size, max_out_tokens=opts.max_out_tokens,
-                          replace_with_kernel_inject=opts.replace_with_kernel_inject)
+    engine = init_inference(model, dtype=opts.dtype, quant=quant, checkpoint=spec.checkpoint.dir,
+                            max_batch_size=opts.max_batch_size, max_out_tokens=opts.max_out_tokens,
+                            replace_with_kernel_inject=opts.replace_with_kernel_inject)
+    if opts.compile:
+        engine.compile()
+    return engine
 
 
 def _listen(address: str) -> socket.socket:

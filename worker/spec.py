@@ -425,6 +425,9 @@ class ServeOptions(Section):
     """Sequences decoded together (KV-cache slots); more requests wait for a free slot."""
     replace_with_kernel_inject: bool = False
     """Route norms, rotary and activations through deepfleet's fused kernels and fuse the projections."""
+    compile: bool = False
+    """Run the decode step under torch.compile at static shapes (`engine.compile()`): faster steps on a busy
+    endpoint, after a compile of tens of seconds per key bucket (the first requests wait for it)."""
     model_name: Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = "deepfleet"
     """The model name clients send in requests (`/v1/models` lists it)."""
 

@@ -50,9 +50,9 @@ def compiled(doc: dict[str, Any]):
 def test_the_example_compiles_into_a_serving_worker_spec() -> None:
     spec = parse_job_yaml(EXAMPLE.read_text())
     assert isinstance(spec, ServingJob) and spec.spec.max_out_tokens == 64
-    sub = compiled(serving_document(quant={"numBits": 4, "groupSize": 32}, dtype="bf16"))
+    sub = compiled(serving_document(quant={"numBits": 4, "groupSize": 32}, dtype="bf16", compile=True))
     ws = sub.worker_spec
-    assert ws.serve is not None and ws.serve.dtype == "bf16" and ws.serve.quant.num_bits == 4
+    assert ws.serve is not None and ws.serve.dtype == "bf16" and ws.serve.quant.num_bits == 4 and ws.serve.compile
     assert ws.serve.quant.group_size == 32 and ws.serve.max_out_tokens == 64 and ws.serve.max_batch_size == 16
     assert ws.entrypoint == FactoryEntrypoint(factory="examples.gpt.factories:build", args={"num_samples": 8})
     assert ws.checkpoint.dir == SERVED_CHECKPOINT_DIR and ws.checkpoint.resume_from == TRAINED
