@@ -3,16 +3,18 @@
 Called by `batching.Batcher._decode` once `InferenceEngine.compile()` (DeepSpeed's engine method name)
 installed a `StaticDecodeStep`. Eager decoding hands the decoder a batch of however many requests run
 and keys up to the largest position, so every step has new shapes. Here each step is padded to the
-same shapes: every cache slot is a row (the rows of idle slots decode a dummy token at position 0 of
-their own free slot, which the next prefill overwrites, and whose result is dropped), the rows are the
-cache rows 0..slots-1 in order (no gather), and keys run to a bucket of positions (64, 128, 256, ... up
-to max_out_tokens), so the graph sees a handful of shapes over an engine's life and compiles once for
-each (`dynamic=False`: fixed shapes give inductor's best code, with no guards on sizes).
+same shapes: the rows are the cache rows 0..R-1 in order (no gather), R the power of two (1, 2, 4, ...
+up to max_batch_size) above the highest running slot (slots are handed out lowest first, so R is about
+the batch), the rows of idle slots decode a dummy token at position 0 of their own free slot (which the
+next prefill overwrites; the result is dropped), and keys run to a bucket of positions (64, 128, 256,
+... up to max_out_tokens). So the graph sees a handful of shapes over an engine's life and compiles once
+for each (`dynamic=False`: fixed shapes give inductor's best code, with no guards on sizes).
 
 Where it pays: many small ops per step (small and medium models on CPU, where eager spends its time in
 per-op dispatch rather than in the matmuls) and full batches; inductor fuses the norms, rotary, masks and
-residual adds around the matmuls. Where it does not: a batch much smaller than `max_batch_size` (the
-idle rows are computed too), attention over a bucket far longer than the live sequences, large models
+residual adds around the matmuls. Where it does not: a batch just above a power of two or with a
+high slot left running (the idle rows up to R are computed too), a batch of one on CPU (its eager step
+is already cheap, and the padding and graph call cost about as much as they save), attention over a bucket far longer than the live sequences, large models
 whose step time is matmul-bound anyway, and short-lived engines, since the first step of each bucket
 compiles (tens of seconds on CPU). Prefill stays eager: prompt shapes differ per request.
 """
@@ -36,6 +38,14 @@ def key_bucket(span: int, *, max_tokens: int) -> int:
     while bucket < span:
         bucket *= 2
     return min(bucket, max_tokens)
+
+
+def row_bucket(rows: int, *, slots: int) -> int:
+    """The smallest power of two holding `rows` cache rows, capped at `slots`."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return min(bucket, slots)
 
 
 class _FullStep(nn.Module):
@@ -67,7 +77,7 @@ class StaticDecodeStep:
 
     def __call__(self, tokens: Tensor, positions: Tensor, slots: list[int]) -> Tensor:
         """tokens, positions (batch, 1) of the running rows in cache slots `slots` -> logits (batch, vocab)."""
-        n = self.cache.slots
+        n = row_bucket(max(slots) + 1, slots=self.cache.slots)  # slots go lowest first: usually n ~ batch
         full_tokens = torch.zeros(n, 1, dtype=tokens.dtype, device=tokens.device)
         full_positions = torch.zeros(n, 1, dtype=positions.dtype, device=positions.device)
         index = torch.tensor(slots, device=tokens.device)
