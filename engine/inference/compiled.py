@@ -10,11 +10,11 @@ next prefill overwrites; the result is dropped), and keys run to a bucket of pos
 ... up to max_out_tokens). So the graph sees a handful of shapes over an engine's life and compiles once
 for each (`dynamic=False`: fixed shapes give inductor's best code, with no guards on sizes).
 
-Where it pays: many small ops per step (small and medium models on CPU, where eager spends its time in
-per-op dispatch rather than in the matmuls) and full batches; inductor fuses the norms, rotary, masks and
+Where it pays: many small ops per step (small and medium models on CPU, where eager spends much of its
+time in per-op dispatch; measured 1.7x HF `generate` at batch 1 and 1.4-1.5x at batch 16 on
+benchmarks/inference.py's Llama, where the matmuls then take most of the step); inductor fuses the norms, rotary, masks and
 residual adds around the matmuls. Where it does not: a batch just above a power of two or with a
-high slot left running (the idle rows up to R are computed too), a batch of one on CPU (its eager step
-is already cheap, and the padding and graph call cost about as much as they save), attention over a bucket far longer than the live sequences, large models
+high slot left running (the idle rows up to R are computed too), attention over a bucket far longer than the live sequences, large models
 whose step time is matmul-bound anyway, and short-lived engines, since the first step of each bucket
 compiles (tens of seconds on CPU). Prefill stays eager: prompt shapes differ per request.
 """
