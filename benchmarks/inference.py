@@ -8,8 +8,10 @@ left-padded for HF): tokens per CPU second of greedy generation (new tokens over
 time, median of interleaved repeats: on a shared machine wall time mostly measures the neighbours) and
 time to first token (CPU time of a generate of one new token), for HF `generate` and for
 `init_inference(model, dtype=fp32)` with and without `replace_with_kernel_inject` (fused q/k/v and
-gate/up matmuls; norms, rotary and SwiGLU through `deepfleet.kernels`), with the ratios; then the decoder's weight bytes and batch-16
-tokens/s with int8 and int4 weight-only quantization. One JSON line per figure.
+gate/up matmuls; norms, rotary and SwiGLU through `deepfleet.kernels`), each eager and with
+`engine.compile()` (the static-shape decode step under torch.compile; its compile time is printed with
+the warm-up, which also checks greedy tokens against HF's), with the ratios; then the decoder's weight
+bytes and tokens/s with int8 and int4 weight-only quantization. One JSON line per figure.
 """
 
 from __future__ import annotations
@@ -86,7 +88,12 @@ def main() -> None:
                "fp32_kernel_inject": init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True, **opts),
                "int8": init_inference(model, dtype=torch.int8, **opts),
                "int4": init_inference(model, dtype=torch.float32, quant={"weight": {"num_bits": 4, "group_size": 64}},
-                                      **opts)}
+                                      **opts),
+               "fp32_compiled": init_inference(model, dtype=torch.float32, **opts),
+               "fp32_kernel_inject_compiled": init_inference(model, dtype=torch.float32,
+                                                             replace_with_kernel_inject=True, **opts)}
+    for name in ("fp32_compiled", "fp32_kernel_inject_compiled"):
+        engines[name].compile()  # the decode step at static shapes (all 16 slots, one key bucket per 64..)
 
     def hf(ids, mask, new):
         with torch.inference_mode():
@@ -100,13 +107,18 @@ def main() -> None:
 
     runners = {"hf_generate": hf, "init_inference": ours("fp32"),
                "init_inference_kernel_inject": ours("fp32_kernel_inject"), "init_inference_int8": ours("int8"),
-               "init_inference_int4": ours("int4")}
+               "init_inference_int4": ours("int4"), "init_inference_compiled": ours("fp32_compiled"),
+               "init_inference_kernel_inject_compiled": ours("fp32_kernel_inject_compiled")}
     for batch in (int(b) for b in args.batches.split(",")):
         ids, mask = prompts(batch)
         gen_s = {n: [] for n in runners}
         ttft_s = {n: [] for n in runners}
-        for run in runners.values():  # warm-up (allocations, first-call dispatch)
-            run(ids, mask, 2)
+        for name, run in runners.items():  # warm-up (allocations, first-call dispatch, every compile)
+            t0 = time.perf_counter()
+            reference = run(ids, mask, args.new)
+            if name != "hf_generate":
+                print(json.dumps({**common, "batch": batch, "runner": name, "warmup_wall_s": round(time.perf_counter() - t0, 1),
+                                  "greedy_equal_hf": bool(torch.equal(reference, hf(ids, mask, args.new)))}), flush=True)
         for _ in range(args.repeats):  # interleaved, so machine noise hits every runner alike
             for name, run in runners.items():
                 t0 = time.process_time()

@@ -31,7 +31,7 @@ from deepfleet.controller.db.auth import ensure_bootstrap_token
 from deepfleet.controller.db.session import make_engine, make_session_factory
 from deepfleet.controller.policy import Policies
 from deepfleet.controller.settings import Settings
-from deepfleet.controller.spec import JobSpec
+from deepfleet.controller.spec import JobSpec, ServingJob
 
 API_TITLE = "deepfleet controller"
 API_VERSION = "0.1.0"
@@ -73,13 +73,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = spec_schema.pop("$defs", {})
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for name, schema in defs.items():
-        assert name not in schemas or schemas[name] == schema, f"schema name clash: {name}"
-        schemas[name] = schema
-    schemas["TrainingJob"] = spec_schema
+    for model in (JobSpec, ServingJob):
+        spec_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, schema in spec_schema.pop("$defs", {}).items():
+            assert name not in schemas or schemas[name] == schema, f"schema name clash: {name}"
+            schemas[name] = schema
+        schemas[spec_schema["title"]] = spec_schema
     app.openapi_schema = doc
     return doc
 

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from deepfleet.controller.backends.base import Submission, run_name
-from deepfleet.controller.spec import JobSpec, node_bounds, plain_env
+from deepfleet.controller.spec import AnyJob, is_serving, node_bounds, plain_env
 from deepfleet.controller.tokens import job_token
 from deepfleet.worker.spec import (
     ATTEMPT_ENV,
@@ -30,8 +30,10 @@ HEARTBEAT_PATH = "/v1/jobs/{job_id}/heartbeat"
 FAILURE_PATH = "/v1/jobs/{job_id}/failure"
 
 
-def worker_spec(spec: JobSpec, *, job_id: str, attempt: int) -> WorkerSpec:
-    """The WorkerSpec of one attempt (no secrets: the token travels in the environment only).
+def worker_spec(spec: AnyJob, *, job_id: str, attempt: int) -> WorkerSpec:
+    """The WorkerSpec of one attempt (no secrets: the token travels in the environment only). A ServingJob
+    compiles to the same contract: its factory as the entrypoint, the named job's checkpoint as
+    `checkpoint.resumeFrom` (copied into its own area by the backend) and `serve` set.
 
     The entrypoint, checkpoint, restart policy and step budget are the JobSpec's own section objects
     (the same models); what is added here is placement: job id, attempt, platform and node range."""
@@ -50,11 +52,12 @@ def worker_spec(spec: JobSpec, *, job_id: str, attempt: int) -> WorkerSpec:
         max_steps=s.max_steps,
         export=ModelExport(dtype=s.register_model.dtype) if s.register_model is not None else None,
         env=plain_env(spec),  # secret references are resolved by the backend, never put in the spec
+        serve=spec.spec.serve_options() if is_serving(spec) else None,  # type: ignore[union-attr]
     )
 
 
 def compile_submission(
-    spec: JobSpec,
+    spec: AnyJob,
     *,
     job_id: str,
     attempt: int,

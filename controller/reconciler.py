@@ -298,6 +298,10 @@ class Reconciler:
                observed: Observation | None, now: datetime) -> None:
         if action.kind is Kind.NOTHING:
             job.claim_expires_at = now + timedelta(seconds=self.config.lease_seconds)
+            if (observed is not None and observed.phase is RunPhase.RUNNING and observed.endpoint
+                    and observed.endpoint != job.endpoint):
+                job.endpoint = observed.endpoint  # a serving run that moved (a new attempt listens elsewhere)
+                _event(s, job, "Serving", f"serving at {observed.endpoint}", now, actor=self.config.replica_id)
             if (attempt is not None and observed is not None and observed.phase is RunPhase.RUNNING
                     and observed.message and observed.message != attempt.message):
                 # e.g. an elastic run lost a node and carries on smaller: no phase change, still news
@@ -321,10 +325,14 @@ class Reconciler:
             job.restart_counts = counts
             job.current_attempt += 1
             job.not_before = action.not_before
+        message = action.message
         if action.kind is Kind.MARK and action.phase is Phase.RUNNING and attempt is not None:
             attempt.started_at = attempt.started_at or now
+            if observed is not None and observed.endpoint:
+                job.endpoint = observed.endpoint
+                message = f"{message}; serving at {observed.endpoint}"
         assert action.phase is not None
-        self._transition(s, job, action.phase, action.reason, action.message, now,
+        self._transition(s, job, action.phase, action.reason, message, now,
                          data={"exit_codes": observed.exit_codes} if observed and observed.exit_codes else None)
 
     def _submit(self, s: Session, job: Job, attempt: Attempt | None, action: Action, now: datetime) -> None:
@@ -353,6 +361,8 @@ class Reconciler:
             lifecycle.check_transition(src, phase)
         job.phase = phase.value
         job.message = message
+        if phase is not Phase.RUNNING:
+            job.endpoint = None  # stopped, restarting or finished: nothing answers there any more
         if phase.is_terminal():
             job.finished_at = now
         if phase is Phase.SUCCEEDED:

@@ -41,11 +41,15 @@ from deepfleet.worker.spec import (
     Nodes,
     RestartPolicy,
     Section,
+    ServeOptions,
     Text,
 )
 
 API_VERSION = "deepfleet/v1"
 KIND = "TrainingJob"
+SERVING_KIND = "ServingJob"
+# Where a serving job's copy of the training checkpoint lives inside its own checkpoint area.
+SERVED_CHECKPOINT_DIR = "served"
 
 # Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
 MAX_NAME_LEN = 40
@@ -216,6 +220,15 @@ EnvValue = Annotated[
 ]
 
 
+def _check_env_names(env: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
+    for name in env:
+        if not ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not a valid environment variable name; use letters, digits and '_'")
+        if name.startswith(RESERVED_ENV_PREFIX) and name not in USER_SETTABLE_ENV:
+            raise ValueError(f"{name} is set by deepfleet for every worker; drop it or rename it")
+    return env
+
+
 class TrainingSpec(_Section):
     backend: Backend = "local"
     """Where the job runs: local processes, a Kubernetes cluster or Azure ML."""
@@ -264,12 +277,7 @@ class TrainingSpec(_Section):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
-        for name in env:
-            if not ENV_NAME.match(name):
-                raise ValueError(f"{name!r} is not a valid environment variable name; use letters, digits and '_'")
-            if name.startswith(RESERVED_ENV_PREFIX) and name not in USER_SETTABLE_ENV:
-                raise ValueError(f"{name} is set by deepfleet for every worker; drop it or rename it")
-        return env
+        return _check_env_names(env)
 
     @model_validator(mode="after")
     def _backend_sections_match(self) -> TrainingSpec:
@@ -332,6 +340,140 @@ class JobSpec(_Section):
         """The inline engine config as validation filled it in at `world_size` (None: not validated there)."""
         config = self._engine_configs.get(world_size)
         return None if config is None else config.to_dict()
+
+
+class ServedModel(_Section):
+    """What a ServingJob serves: the newest complete checkpoint of a finished training job of the same
+    project (named by job id, never by a path), loaded into the module the training job's factory builds."""
+
+    job: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$")]
+    """Id of a finished TrainingJob of the same project; its newest complete checkpoint is copied into the
+    serving job's own area and loaded (at any world size it was saved at)."""
+    factory: Annotated[str, Field(pattern=FACTORY_REF)]
+    """"package.module:function" that builds the model: the training job's factory (its ManagedJob's model
+    is used) or any function of the project's code returning the module."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for the factory (the training job's, so the shapes match the checkpoint)."""
+
+
+class ServingSpec(ServeOptions):
+    """A ServingJob's spec: the served model, init_inference's options (inherited from the worker's
+    ServeOptions, the same model) and where the endpoint runs. One node, one process; it runs until
+    cancelled."""
+
+    model: ServedModel
+    """The checkpoint to serve and the factory that builds its module."""
+    backend: Backend = "local"
+    """Where the endpoint runs: a local process, a Kubernetes pod or an Azure ML job."""
+    image: str | None = None
+    """Worker container image; required by kubernetes and azureml, ignored by local."""
+    resources: Resources = Resources()
+    """What the serving node asks the cluster for."""
+    restart_policy: RestartPolicy = RestartPolicy()
+    priority: Priority = "normal"
+    """Admission order inside a queue."""
+    queue: Annotated[str, Field(max_length=63, pattern=DNS_LABEL)] = "default"
+    """Queue whose quota the endpoint counts against (one process)."""
+    env: dict[str, EnvValue] = {}
+    """Extra environment variables for the serving process (a string, or `{secret: <name>}`)."""
+    kubernetes: KubernetesOptions | None = None
+    """Options for backend kubernetes only."""
+    azureml: AzureMLOptions | None = None
+    """Options for backend azureml only (required there: the compute cluster)."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str | SecretRef]) -> dict[str, str | SecretRef]:
+        return _check_env_names(env)
+
+    @model_validator(mode="after")
+    def _backend_sections_match(self) -> ServingSpec:
+        problems = []
+        if self.backend in ("kubernetes", "azureml") and not self.image:
+            problems.append(f"image: required for backend {self.backend}; set spec.image to the worker image")
+        for section in ("kubernetes", "azureml"):
+            if getattr(self, section) is not None and self.backend != section:
+                problems.append(f"{section}: only applies to backend {section}; remove spec.{section} "
+                                f"or set spec.backend: {section}")
+        if self.backend == "azureml" and self.azureml is None:
+            problems.append("azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
+        if self.kubernetes is not None and self.kubernetes.checkpoint_claim:
+            problems.append("kubernetes.checkpointClaim: a serving job reads its checkpoint from the job named "
+                            "in model.job; drop checkpointClaim")
+        for name, value in self.env.items():
+            if isinstance(value, SecretRef) and value.key is not None and self.backend != "kubernetes":
+                problems.append(f"env.{name}.key: only applies to backend kubernetes; drop key")
+        if problems:
+            raise ValueError(_FIELD_LINES + "\n".join(problems))
+        return self
+
+    # What the rest of the controller reads of a TrainingSpec, derived (never part of the document).
+    @property
+    def entrypoint(self) -> FactoryEntrypoint:
+        return FactoryEntrypoint(factory=self.model.factory, args=self.model.args)
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(dir=SERVED_CHECKPOINT_DIR, resume_from=self.model.job)
+
+    @property
+    def nodes(self) -> int:
+        return 1
+
+    @property
+    def processes_per_node(self) -> int:
+        return 1
+
+    @property
+    def engine(self) -> None:
+        return None
+
+    @property
+    def max_steps(self) -> None:
+        return None
+
+    @property
+    def register_model(self) -> None:
+        return None
+
+    def serve_options(self) -> ServeOptions:
+        """The init_inference options the worker receives."""
+        return ServeOptions.model_validate({k: getattr(self, k) for k in ServeOptions.model_fields})
+
+
+class ServingJob(_Section):
+    """An inference endpoint as the user submits it (`apiVersion: deepfleet/v1`, `kind: ServingJob`): the
+    checkpoint of a finished training job served at /v1/completions until the job is cancelled."""
+
+    model_config = ConfigDict(title="ServingJob")
+
+    api_version: Literal["deepfleet/v1"]
+    """Version of this schema."""
+    kind: Literal["ServingJob"]
+    """The document's kind."""
+    metadata: Metadata
+    """Who owns the endpoint and what it is called."""
+    spec: ServingSpec
+    """What to serve, how and where."""
+
+    def to_document(self) -> dict[str, Any]:
+        """The spec as the YAML/JSON document a user writes (camelCase keys, unset options omitted)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    def validated_engine_config(self, world_size: int) -> dict[str, Any] | None:
+        return None  # init_inference's options are checked by the ServeOptions model itself
+
+
+AnyJob = JobSpec | ServingJob
+"""A stored or submitted job of either kind; both read the same way (`.metadata`, `.spec.backend`, ...)."""
+
+
+def is_serving(spec: AnyJob) -> bool:
+    return isinstance(spec, ServingJob)
+
+
+def _model_of(document: Any) -> type[JobSpec] | type[ServingJob]:
+    return ServingJob if isinstance(document, dict) and document.get("kind") == SERVING_KIND else JobSpec
 
 
 def node_bounds(spec: JobSpec) -> tuple[int, int]:
@@ -444,26 +586,33 @@ def _validate_engine(spec: JobSpec, *, base_dir: Path | None, read_files: bool =
     return errors
 
 
-def stored_spec(document: Any) -> JobSpec:
-    """A JobSpec from a stored document (the database's copy), without re-reading engine files; raises
-    SpecError with one line per field (a document stored by an older version may no longer validate)."""
+def stored_spec(document: Any) -> AnyJob:
+    """A JobSpec (or ServingJob) from a stored document (the database's copy), without re-reading engine
+    files; raises SpecError with one line per field (a document stored by an older version may no longer
+    validate)."""
     try:
-        return JobSpec.model_validate(document)
+        return _model_of(document).model_validate(document)
     except ValidationError as e:
         raise SpecError(_errors_from(e)) from None
 
 
-def validate_job(document: Any, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
-    """Validate a parsed document (a dict) into a JobSpec, engine config included; raises SpecError.
+def validate_job(document: Any, *, base_dir: Path | None = None, read_files: bool = True) -> AnyJob:
+    """Validate a parsed document (a dict) into a JobSpec (or a ServingJob when `kind: ServingJob`),
+    engine config included; raises SpecError.
 
     `read_files=False` (the server): an engine config given as a path is refused, never opened."""
     if not isinstance(document, dict):
         raise SpecError([f"(document): expected a mapping with apiVersion, kind, metadata, spec; "
                          f"got {type(document).__name__}"])
+    kind = document.get("kind")
+    if isinstance(kind, str) and kind not in (KIND, SERVING_KIND):
+        raise SpecError([f"kind: {kind!r} is not a kind of job; write kind: {KIND} or kind: {SERVING_KIND}"])
     try:
-        spec = JobSpec.model_validate(document)
+        spec = _model_of(document).model_validate(document)
     except ValidationError as e:
         raise SpecError(_errors_from(e)) from None
+    if isinstance(spec, ServingJob):
+        return spec
     errors = _validate_engine(spec, base_dir=base_dir, read_files=read_files)
     if errors:
         raise SpecError(errors)
@@ -499,7 +648,7 @@ _StrictLoader.add_implicit_resolver(
 )
 
 
-def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool = True) -> JobSpec:
+def parse_job_yaml(text: str, *, base_dir: Path | None = None, read_files: bool = True) -> AnyJob:
     """Parse a YAML (or JSON) job document; raises SpecError with one line per problem.
 
     A relative `spec.engine` path resolves against `base_dir` (default: the working directory).

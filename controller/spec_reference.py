@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deepfleet.controller.spec import JobSpec
+from deepfleet.controller.spec import JobSpec, ServingJob
 
 # Example values for fields without a default (a default is its own example).
 EXAMPLES: dict[str, Any] = {
@@ -46,6 +46,12 @@ EXAMPLES: dict[str, Any] = {
     "spec.registerModel": {"name": "gpt-small", "dtype": "bf16"},
     "spec.registerModel.name": "gpt-small",
     "spec.azureml.compute": "gpu-cluster",
+    "ServingJob.kind": "ServingJob",
+    "spec.model": {"job": "3f2a9c1e7b5d4e60a1b2c3d4e5f60718", "factory": "examples.gpt.factories:build"},
+    "spec.model.job": "3f2a9c1e7b5d4e60a1b2c3d4e5f60718",
+    "spec.model.factory": "examples.gpt.factories:build",
+    "ServedModel.args": {"num_samples": 8},
+    "spec.quant": {"numBits": 8},
 }
 
 INTRO = """\
@@ -147,11 +153,43 @@ def _rows(schema: dict[str, Any], defs: dict[str, Any], prefix: str, out: list[s
             sections.extend((f"{path}.<name>", _resolve(b, defs)) for b in _branches(values) if "$ref" in b)
 
 
+SERVING_INTRO = """\
+
+# Serving job reference (`apiVersion: deepfleet/v1`, `kind: ServingJob`)
+
+A ServingJob serves the newest complete checkpoint of a finished TrainingJob of the same project at an
+OpenAI-compatible endpoint (`POST <endpoint>/v1/completions`, `"stream": true` for server-sent events)
+until it is cancelled. The checkpoint is named by the training job's id (`spec.model.job`), never by a
+path: the backend copies it into the serving job's own area. The model comes from the training job's
+factory (`spec.model.factory` and `args`), and `init_inference`'s options (`dtype`, `quant`,
+`maxOutTokens`, `maxBatchSize`, `replaceWithKernelInject`) keep DeepSpeed's names. It runs as one
+process on one node, with the same clean environment and job-scoped token as a training job. When the
+endpoint listens, the job is RUNNING and `deepfleet get` shows `endpoint`; `deepfleet cancel` stops it.
+
+```yaml
+apiVersion: deepfleet/v1
+kind: ServingJob
+metadata: {name: gpt-small-serve, project: default}
+spec:
+  model: {job: <id of a finished training job>, factory: examples.gpt.factories:build, args: {num_samples: 8}}
+  dtype: fp32
+  quant: {numBits: 8}           # weight-only int8 (or 4); omit for none
+  maxOutTokens: 64              # positions per sequence: prompt + generated tokens
+```
+"""
+
+
 def render_reference() -> str:
-    """The whole reference page (Markdown), deterministic for a given JobSpec."""
-    schema = JobSpec.model_json_schema()
-    defs = schema.get("$defs", {})
+    """The whole reference page (Markdown), deterministic for the JobSpec and ServingJob models."""
     lines = [INTRO]
+    _render_schema(JobSpec.model_json_schema(), lines, document="The document")
+    lines.append(SERVING_INTRO)
+    _render_schema(ServingJob.model_json_schema(), lines, document="The ServingJob document")
+    return "\n".join(lines) + "\n"
+
+
+def _render_schema(schema: dict[str, Any], lines: list[str], *, document: str) -> None:
+    defs = schema.get("$defs", {})
     queue: list[tuple[str, dict[str, Any]]] = [("", schema)]
     seen: set[tuple[str, str]] = set()
     while queue:
@@ -160,7 +198,7 @@ def render_reference() -> str:
         if key in seen:
             continue
         seen.add(key)
-        title = f"`{path}` ({section.get('title')})" if path else "The document"
+        title = f"`{path}` ({section.get('title')})" if path else document
         lines += ["", f"## {title}", ""]
         if section.get("description") and path:
             lines += [" ".join(section["description"].split()), ""]
@@ -168,4 +206,3 @@ def render_reference() -> str:
         found: list[tuple[str, dict[str, Any]]] = []
         _rows(section, defs, f"{path}." if path else "", lines, found)
         queue.extend(found)
-    return "\n".join(lines) + "\n"

@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyVaultError as e:
             print(f"deepfleet-worker: {e}", file=sys.stderr)
             return int(ExitCode.INVALID_SPEC)
+    if spec.serve is not None:
+        from deepfleet.worker.serve import run_serve
+
+        return run_serve(spec)
     from deepfleet.worker.agent import run
 
     return run(spec)

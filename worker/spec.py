@@ -46,6 +46,9 @@ FACTORY_MODULES_ENV = "DEEPFLEET_FACTORY_MODULES"
 # Azure ML: the vault and the {VAR: secret name} references the worker resolves before training starts.
 KEYVAULT_URL_ENV = "DEEPFLEET_KEYVAULT_URL"
 KEYVAULT_SECRETS_ENV = "DEEPFLEET_KEYVAULT_SECRETS"
+# A serving worker writes its endpoint's URL (one line) to this file once it listens (local backend).
+ENDPOINT_FILE_ENV = "DEEPFLEET_ENDPOINT_FILE"
+SERVE_PORT = 8000  # where a serving worker listens in a container (pod, Azure ML node)
 
 SIGNAL_EXIT_BASE = 128
 # Every number has a range (the controller's database columns are 32-bit; no real job is near these).
@@ -396,6 +399,39 @@ class ExportManifest(_Model):
     error: str | None = Field(None, max_length=4000, description="Why nothing was exported.")
 
 
+class WeightQuant(Section):
+    """Weight-only quantization of the served decoder's linear layers (init_inference's `quant.weight`)."""
+
+    num_bits: Literal[8, 4] = 8
+    """8: int8 codes with one scale per output channel; 4: int4 codes with a scale and zero per group."""
+    group_size: Annotated[int, Field(ge=2, le=65_536)] = 64
+    """Input columns per int4 group."""
+
+
+ServeDtype = Literal["fp32", "bf16", "fp16"]
+
+
+class ServeOptions(Section):
+    """How a serving worker runs `init_inference` and the completions endpoint (engine/inference/serve.py).
+    The names are init_inference's (DeepSpeed's), in the spec's camelCase."""
+
+    dtype: ServeDtype = "fp32"
+    """Compute and weight dtype of the served model."""
+    quant: WeightQuant | None = None
+    """Weight-only quantization; null: none."""
+    max_out_tokens: Annotated[int, Field(ge=2, le=1_048_576)] = 1024
+    """Positions per sequence in the static KV cache (prompt + generated tokens)."""
+    max_batch_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Sequences decoded together (KV-cache slots); more requests wait for a free slot."""
+    replace_with_kernel_inject: bool = False
+    """Route norms, rotary and activations through deepfleet's fused kernels and fuse the projections."""
+    compile: bool = False
+    """Run the decode step under torch.compile at static shapes (`engine.compile()`): faster steps on a busy
+    endpoint, after a compile of tens of seconds per key bucket (the first requests wait for it)."""
+    model_name: Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")] = "deepfleet"
+    """The model name clients send in requests (`/v1/models` lists it)."""
+
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -433,6 +469,12 @@ class WorkerSpec(_Model):
     """Export the model when training succeeds (needs `checkpoint`); null: no export."""
     env: dict[str, str] = {}
     """Extra environment for training processes."""
+    serve: ServeOptions | None = None
+    """Serve the checkpoint instead of training: the entrypoint's factory builds the model, the newest
+    complete checkpoint under `checkpoint.dir` is loaded into it, and node 0 answers /v1/completions."""
+    serve_address: str | None = None
+    """"host:port" the serving endpoint listens on (port 0: any free port, reported through
+    DEEPFLEET_ENDPOINT_FILE); None: 0.0.0.0:SERVE_PORT (a container's)."""
 
     @field_validator("env")
     @classmethod
@@ -444,8 +486,20 @@ class WorkerSpec(_Model):
 
     @model_validator(mode="after")
     def _factory_needs_steps(self) -> WorkerSpec:
-        if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
+        if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None and self.serve is None:
             raise ValueError(MISSING_STEPS.format(key="max_steps"))
+        return self
+
+    @model_validator(mode="after")
+    def _serve_needs_a_checkpoint(self) -> WorkerSpec:
+        if self.serve is not None and (self.checkpoint is None or not isinstance(self.entrypoint, FactoryEntrypoint)):
+            raise ValueError("serve: needs checkpoint (the weights) and a factory entrypoint (the model); set both "
+                             "or drop serve")
+        if self.serve_address is not None:
+            host, sep, port = self.serve_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ValueError(f'serve_address: {self.serve_address!r} is not "host:port"; write it like '
+                                 '"127.0.0.1:0"')
         return self
 
     @model_validator(mode="after")

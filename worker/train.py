@@ -74,6 +74,18 @@ def _check_factory_origin(module_name: str) -> None:
 
 def build_job(entry: FactoryEntrypoint) -> ManagedJob:
     """Import and call the factory; accept a ManagedJob or a mapping with the same keys."""
+    job = import_factory(entry)(**entry.args)
+    if isinstance(job, Mapping):
+        job = ManagedJob(**job)
+    if not isinstance(job, ManagedJob):
+        raise TypeError(f"{entry.factory} returned {type(job).__name__}; return a ManagedJob (or a dict with "
+                        "model, training_data and optionally loss_fn, collate_fn, config)")
+    return job
+
+
+def import_factory(entry: FactoryEntrypoint) -> Callable[..., Any]:
+    """The factory's function, imported under the job's-own-code rule (`_check_factory_origin`); raises
+    WorkerSpecError naming entrypoint.factory."""
     module_name, _, attr = entry.factory.partition(":")
     try:
         _check_factory_origin(module_name)
@@ -86,13 +98,7 @@ def build_job(entry: FactoryEntrypoint) -> ManagedJob:
             raise WorkerSpecError([f"entrypoint.factory: {module_name!r} has no {attr!r}; name a function "
                                    "defined in that module"])
         obj = getattr(obj, part)
-    job = obj(**entry.args)
-    if isinstance(job, Mapping):
-        job = ManagedJob(**job)
-    if not isinstance(job, ManagedJob):
-        raise TypeError(f"{entry.factory} returned {type(job).__name__}; return a ManagedJob (or a dict with "
-                        "model, training_data and optionally loss_fn, collate_fn, config)")
-    return job
+    return obj
 
 
 def _autotuned(spec: WorkerSpec, config: Any) -> Any:

@@ -48,7 +48,7 @@ from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db import secrets as secret_store
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
 from deepfleet.controller.policy import submit_errors
-from deepfleet.controller.spec import DNS_LABEL, JobSpec, SpecError, parse_job_yaml, secret_refs, validate_job
+from deepfleet.controller.spec import DNS_LABEL, AnyJob, SpecError, parse_job_yaml, secret_refs, validate_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -69,16 +69,17 @@ def _spec_request_body() -> dict[str, Any]:
     return {
         "requestBody": {
             "required": True,
-            "description": "A TrainingJob document (see `deepfleet schema`), as YAML or JSON.",
+            "description": "A TrainingJob or ServingJob document (see `deepfleet schema`), as YAML or JSON.",
             "content": {
                 "application/yaml": {"schema": {"type": "string"}},
-                "application/json": {"schema": {"$ref": "#/components/schemas/TrainingJob"}},
+                "application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/TrainingJob"},
+                                                          {"$ref": "#/components/schemas/ServingJob"}]}},
             },
         }
     }
 
 
-def _parse_body(body: bytes, content_type: str) -> JobSpec:
+def _parse_body(body: bytes, content_type: str) -> AnyJob:
     media = content_type.split(";")[0].strip().lower()
     try:
         text = body.decode("utf-8")
@@ -104,7 +105,7 @@ def _parse_body(body: bytes, content_type: str) -> JobSpec:
     raise ApiError(415, f"unsupported content type {media!r}; send application/yaml or application/json")
 
 
-def _missing_secrets(session: Session, spec: JobSpec) -> list[str]:
+def _missing_secrets(session: Session, spec: AnyJob) -> list[str]:
     """A local job's references to secrets its project's store lacks, one line each."""
     project = spec.metadata.project
     return [f"spec.env.{var}.secret: secret {ref.secret!r} is not in project {project!r}'s secret store; set it "

@@ -159,13 +159,16 @@ class JobDetail(JobSummary):
     """Differential privacy spent so far (null: the job does not train with DP-SGD, or has not stepped)."""
     registration: RegistrationOut | None = None
     """The model registration (null: the spec asks for none, or the job has not succeeded)."""
+    endpoint: str | None = None
+    """A RUNNING ServingJob's URL (POST <endpoint>/v1/completions); null otherwise."""
 
     @classmethod
     def of(cls, job: Job) -> JobDetail:  # type: ignore[override]
         return cls(**_summary_fields(job), spec=_hide_env(job.spec), spec_version=job.spec_version, gpus=job.gpus,
                    restart_counts=dict(job.restart_counts or {}), last_heartbeat=job.last_heartbeat,
                    last_heartbeat_at=job.last_heartbeat_at, attempts=[AttemptOut.of(a) for a in job.attempts],
-                   privacy=PrivacyOut.of(job.last_heartbeat), registration=RegistrationOut.of(job))
+                   privacy=PrivacyOut.of(job.last_heartbeat), registration=RegistrationOut.of(job),
+                   endpoint=job.endpoint)
 
 
 HIDDEN = "(hidden)"

@@ -67,6 +67,7 @@ class Observation:
     exit_codes: dict[int, int] = field(default_factory=dict)  # node index -> exit code (the known ones)
     failure_class: FailureClass | None = None  # classify_exit() of the worst exit, when FAILED
     message: str = ""
+    endpoint: str | None = None  # a serving run's URL once it listens (None: not serving, or not yet)
 
 
 class BackendError(RuntimeError):

@@ -59,6 +59,7 @@ from deepfleet.controller.confine import (
 from deepfleet.controller.registry import ExportedModel, RegistryError
 from deepfleet.controller.spec import secret_refs
 from deepfleet.worker.spec import (
+    ENDPOINT_FILE_ENV,
     EXPORT_MANIFEST,
     EXPORT_SUBDIR,
     FACTORY_MODULES_ENV,
@@ -152,6 +153,19 @@ def _read_exit(path: Path) -> tuple[int, float] | None:
         text = f.read(8).strip()
         mtime = os.fstat(f.fileno()).st_mtime
     return (int(text) if text.isdigit() and int(text) < 256 else _SIGKILLED), mtime
+
+
+def _read_endpoint(path: Path) -> str | None:
+    """A serving node's URL from its endpoint file (None while there is none). The job writes the file, so
+    it is opened without following links, read as at most 256 bytes and must be a loopback http URL."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(256).decode("ascii", "replace").strip()
+    host, _, port = text.removeprefix("http://").partition(":")
+    return text if host == "127.0.0.1" and port.isdigit() and 0 < int(port) < 65536 else None
 
 
 def _read_manifest(path: Path) -> ExportManifest:
@@ -267,15 +281,22 @@ class LocalBackend:
         nodes = sub.worker_spec.nodes.max
         port = free_port()
         ws = ws.model_copy(update={"rendezvous": ws.rendezvous.model_copy(update={"endpoint": f"127.0.0.1:{port}"})})
+        serve_env: dict[str, str] = {}
+        endpoint_file = area.status / f"{sub.name}.endpoint"
+        endpoint_file.unlink(missing_ok=True)
+        if ws.serve is not None:
+            # The endpoint binds a free port itself (no race) and reports its URL through the file.
+            ws = ws.model_copy(update={"serve_address": "127.0.0.1:0"})
+            serve_env[ENDPOINT_FILE_ENV] = str(endpoint_file)
         run = self.run_dir(sub.name)
         run.mkdir(mode=0o700, parents=True, exist_ok=True)
         for stale in area.status.glob(f"{sub.name}.node-*.exit"):
             stale.unlink()
         state = {"name": sub.name, "job_id": sub.job_id, "attempt": sub.attempt, "nodes": nodes,
                  "min_nodes": sub.worker_spec.nodes.min, "port": port, "pids": [], "complete": False,
-                 "status_dir": str(area.status)}
+                 "status_dir": str(area.status), "serving": ws.serve is not None}
         self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
-        base = {**self._passthrough(), **secret_env, **sub.env, **self._area_env(area),
+        base = {**self._passthrough(), **secret_env, **sub.env, **self._area_env(area), **serve_env,
                 SPEC_ENV: json.dumps(ws.model_dump(mode="json", exclude_none=True)), RUN_ENV: sub.name}
         user = {"user": owner[0], "group": owner[1], "extra_groups": []} if owner else {}
         try:
@@ -352,6 +373,12 @@ class LocalBackend:
                                message=f"{lost}; finished on {remaining} of {state['nodes']} nodes")
         if len(codes) == state["nodes"]:
             return Observation(RunPhase.SUCCEEDED, exit_codes=codes, failure_class=FailureClass.SUCCEEDED)
+        if state.get("serving"):
+            # A serving run counts as running once its endpoint listens (loading the model comes first).
+            endpoint = _read_endpoint(Path(state["status_dir"]) / f"{name}.endpoint")
+            if endpoint is None:
+                return Observation(RunPhase.PENDING, exit_codes=codes, message="loading the model")
+            return Observation(RunPhase.RUNNING, exit_codes=codes, endpoint=endpoint)
         return Observation(RunPhase.RUNNING, exit_codes=codes)
 
     def cancel(self, name: str) -> None:
@@ -423,6 +450,9 @@ class LocalBackend:
                 if copy_resume_checkpoint(src, into=ckpt) is not None and owner is not None:
                     for path in [ckpt, *ckpt.rglob("*")]:
                         os.chown(path, *owner, follow_symlinks=False)
+            if ws.serve is not None and not (ckpt / "latest").exists():
+                raise ConfineError(f"spec.model.job: job {source} of project {area.project} has no complete "
+                                   "checkpoint; serve a job that saved one")
         return ws.model_copy(update=update) if update else ws
 
     def _secret_env(self, sub: Submission, project: str) -> dict[str, str]:

@@ -34,7 +34,7 @@ from deepfleet.controller.db.models import (
     utcnow,
 )
 from deepfleet.controller.goodput import AttemptTimes, Beat, Goodput, eta_s, goodput
-from deepfleet.controller.spec import JobSpec, job_world_size, node_bounds
+from deepfleet.controller.spec import KIND, AnyJob, is_serving, job_world_size, node_bounds
 from deepfleet.worker.spec import FailureReport
 from deepfleet.worker.spec import Heartbeat as HeartbeatReport
 
@@ -135,7 +135,7 @@ def queue_exists(session: Session, name: str) -> bool:
     return True
 
 
-def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[str]) -> Job:
+def create_job(session: Session, spec: AnyJob, *, actor: str, backends: list[str]) -> Job:
     """Store a validated spec as a PENDING job and its Submitted event. Raises UnknownReference."""
     s = spec.spec
     errors = []
@@ -148,9 +148,13 @@ def create_job(session: Session, spec: JobSpec, *, actor: str, backends: list[st
     source = s.checkpoint.resume_from if s.checkpoint is not None else None
     if source is not None:
         found = session.get(Job, source)
+        field = "spec.model.job" if is_serving(spec) else "spec.checkpoint.resumeFrom"
         if found is None or found.project != spec.metadata.project:
-            errors.append(f"spec.checkpoint.resumeFrom: no job {source!r} in project {spec.metadata.project!r}; "
+            errors.append(f"{field}: no job {source!r} in project {spec.metadata.project!r}; "
                           "name a job of this project")
+        elif is_serving(spec) and (found.spec.get("kind") != KIND or found.phase not in TERMINAL_PHASES):
+            errors.append(f"{field}: job {source!r} is a {found.spec.get('kind')} in phase {found.phase}; "
+                          "name a finished TrainingJob (its newest complete checkpoint is served)")
     if errors:
         raise UnknownReference(errors)
     ensure_project(session, spec.metadata.project)

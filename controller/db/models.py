@@ -177,6 +177,8 @@ class Job(Base):
     failed; None for a job that asks for none (or has not succeeded)."""
     registration: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     """What the registration did: registry, name, version, uri, tries, error (`controller.registration`)."""
+    endpoint: Mapped[str | None] = mapped_column(String(255))
+    """A RUNNING ServingJob's URL, as its backend reports it; None for a training job or a stopped one."""
 
     labels: Mapped[list[JobLabel]] = relationship(
         back_populates="job", cascade="all, delete-orphan", lazy="selectin"

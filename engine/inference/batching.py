@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,8 @@ class Batcher:
         self.decoder, self.cache = decoder, cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        # (tokens, positions, slots) -> logits: the compiled static step (`compiled.py`) when installed.
+        self.decode_step: Any = None
 
     def submit(self, request: Request) -> Request:
         """Queue a request; it joins the batch at the next step with a free slot. ValueError when its
@@ -105,6 +108,8 @@ class Batcher:
         device = self._device()
         tokens = torch.tensor([[r.tokens[-1]] for r in requests], device=device)
         positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in requests], device=device)
+        if self.decode_step is not None:
+            return self._emit(requests, self.decode_step(tokens, positions, [r.slot for r in requests]))
         slots = torch.tensor([r.slot for r in requests], device=device)
         logits = self.decoder(tokens, positions, cache=self.cache.layers, slots=slots)
         return self._emit(requests, logits[:, -1])

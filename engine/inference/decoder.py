@@ -62,7 +62,7 @@ class Norm(nn.Module):
         self.kind, self.eps, self.fused = kind, eps, False
 
     def forward(self, x: Tensor) -> Tensor:
-        fused = self.fused and use_triton(x, self.weight)
+        fused = self.fused and _triton(self, x, self.weight)
         if self.kind == "rms":
             if fused:
                 return rms_norm(x, self.weight, self.eps)
@@ -110,7 +110,7 @@ class Layer(nn.Module):
     def mlp(self, x: Tensor) -> Tensor:
         if self.activation == "swiglu":
             g, u = self.gate_up(x).chunk(2, dim=-1) if self.gate_up is not None else (self.gate(x), self.up(x))
-            return self.down(swiglu(g, u) if self.fused and use_triton(g, u) else F.silu(g) * u)
+            return self.down(swiglu(g, u) if self.fused and _triton(self, g, u) else F.silu(g) * u)
         h = self.up(x)
         if self.activation == "relu":
             h = F.relu(h)
@@ -119,24 +119,29 @@ class Layer(nn.Module):
         return self.down(h)
 
     def forward(self, x: Tensor, positions: Tensor, *, rotary: tuple[Tensor, Tensor] | None,
-                cache: tuple[Tensor, Tensor] | None, slots: Tensor | None, key_mask: Tensor | None) -> Tensor:
+                cache: tuple[Tensor, Tensor] | None, slots: Tensor | None, key_mask: Tensor | None,
+                span: int | None = None) -> Tensor:
+        """`slots` None: the batch is cache rows 0..batch-1 in order; `span` None: keys up to the largest
+        position (the static decode step passes both, so it has no data-dependent shapes)."""
         b, t, _ = x.shape
         a = self.norm1(x)
         # Head counts come from the (possibly sharded or pruned) projection widths.
         q, k, v = self.qkv(a).split(self.splits, dim=-1) if self.qkv is not None else (self.q(a), self.k(a), self.v(a))
         q, k, v = (z.view(b, t, -1, self.head_dim) for z in (q, k, v))
         if rotary is not None:
-            q, k = _rotate(q, rotary, fused=self.fused), _rotate(k, rotary, fused=self.fused)
+            fused = self.fused and _triton(self, q, *rotary)
+            q, k = _rotate(q, rotary, fused=fused), _rotate(k, rotary, fused=fused)
         if cache is None:  # the whole sequence at once, no cache (InferenceEngine.forward)
             keys, values, key_pos = k, v, positions
         else:
             ck, cv = cache
-            rows = slots[:, None]  # (batch, 1) against positions (batch, seq)
+            rows = (torch.arange(b, device=x.device) if slots is None else slots)[:, None]  # (batch, 1)
             ck[rows, :, positions] = k.to(ck.dtype)  # indexed shape (batch, seq, kv_heads, head_dim)
             cv[rows, :, positions] = v.to(cv.dtype)
-            span = int(positions.max()) + 1
-            keys = _rows(ck, slots)[:, :, :span].transpose(1, 2)  # (batch, span, kv_heads, head_dim)
-            values = _rows(cv, slots)[:, :, :span].transpose(1, 2)
+            span = int(positions.max()) + 1 if span is None else span
+            kc, vc = (ck[:b], cv[:b]) if slots is None else (_rows(ck, slots), _rows(cv, slots))
+            keys = kc[:, :, :span].transpose(1, 2)  # (batch, span, kv_heads, head_dim)
+            values = vc[:, :, :span].transpose(1, 2)
             key_pos = torch.arange(span, device=x.device).expand(b, span)
         # (batch, 1, seq, keys): a key is visible when it is not after the query (and is not padding)
         mask = key_pos[:, None, None, :] <= positions[:, None, :, None]
@@ -150,6 +155,13 @@ class Layer(nn.Module):
         att = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
         x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
+
+
+def _triton(module: nn.Module, *tensors: Tensor) -> bool:
+    """Whether the fused kernels run as Triton: the dispatcher's answer, or the one `pin_kernels` fixed
+    (a compiled step cannot ask the dispatcher, whose choice lives in a ContextVar)."""
+    pinned = getattr(module, "triton_pinned", None)
+    return use_triton(*tensors) if pinned is None else pinned
 
 
 def _fusable(parts: list[nn.Module | None]) -> bool:
@@ -185,7 +197,7 @@ def _rotate(x: Tensor, rotary: tuple[Tensor, Tensor], *, fused: bool) -> Tensor:
     cos, sin = rotary
     b, t, h, d = x.shape
     flat = x.reshape(1, b * t, h, d)
-    if fused and use_triton(flat, cos, sin):
+    if fused:
         return rope(flat, cos, sin).view(b, t, h, d)
     half = d // 2
     xf = flat.float()
@@ -219,9 +231,19 @@ class Decoder(nn.Module):
             for layer in self.layers:
                 layer.fuse_projections()
 
+    def pin_kernels(self) -> None:
+        """Fix the dispatcher's choice (Triton or the inline torch math) for every fused module now, as it
+        answers for this decoder's weights; `compiled.py` calls it before tracing the step."""
+        for m in self.modules():
+            if isinstance(m, (Norm, Layer)):
+                weight = next(m.parameters(), None)
+                m.triton_pinned = bool(m.fused and weight is not None and use_triton(weight))
+
     def forward(self, tokens: Tensor, positions: Tensor, *, cache: list[tuple[Tensor, Tensor]] | None = None,
-                slots: Tensor | None = None, key_mask: Tensor | None = None, take: Tensor | None = None) -> Tensor:
-        """`take` (batch,): keep only that sequence index of each row (the last real token of a prefill)."""
+                slots: Tensor | None = None, key_mask: Tensor | None = None, take: Tensor | None = None,
+                span: int | None = None) -> Tensor:
+        """`take` (batch,): keep only that sequence index of each row (the last real token of a prefill);
+        `slots`, `span`: as `Layer.forward` (with a cache, `slots` None means rows 0..batch-1)."""
         spec = self.spec
         x = self.embed(tokens)
         if self.pos is not None:
@@ -232,7 +254,7 @@ class Decoder(nn.Module):
             rotary = (self.rope_cos[flat], self.rope_sin[flat])
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rotary=rotary, cache=None if cache is None else cache[i], slots=slots,
-                      key_mask=key_mask)
+                      key_mask=key_mask, span=span)
         if take is not None:
             x = x[torch.arange(x.shape[0], device=x.device), take][:, None]
         if self.norm_f is not None:

@@ -84,6 +84,21 @@ class InferenceEngine(nn.Module):
         self.cache = KVCache(decoder, slots=config.max_batch_size, max_tokens=config.max_out_tokens, dtype=self.dtype)
         self.batcher = Batcher(decoder, self.cache)
 
+    # -- compile ---------------------------------------------------------------------------------
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
+        """DeepSpeed's `engine.compile(backend, compile_kwargs)`: run every decode step through
+        `torch.compile` at static shapes (`compiled.py` says where it pays). Greedy tokens stay those of
+        the eager step; the first step of each key bucket compiles."""
+        from deepfleet.engine.inference.compiled import StaticDecodeStep
+
+        self.batcher.decode_step = StaticDecodeStep(self.module, self.cache, backend=backend,
+                                                    compile_kwargs=compile_kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.batcher.decode_step is not None
+
     # -- forward ---------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -34,7 +34,7 @@ from typing import Any
 from deepfleet.controller.backends.base import Submission
 from deepfleet.controller.backends.kubernetes import names
 from deepfleet.controller.spec import SECRET_KEY_DEFAULT, KubernetesOptions, node_bounds, secret_refs
-from deepfleet.worker.spec import TOKEN_ENV
+from deepfleet.worker.spec import SERVE_PORT, TOKEN_ENV
 
 CONTAINER = "worker"
 WORKER_COMMAND = ["deepfleet-worker"]
@@ -128,7 +128,8 @@ def _pod_spec(sub: Submission, *, nodes: int) -> dict[str, Any]:
         "image": sub.spec.spec.image,
         "command": list(WORKER_COMMAND),
         "env": _env(sub, nodes=nodes),
-        "ports": [{"name": "rendezvous", "containerPort": ws.rendezvous.port, "protocol": "TCP"}],
+        "ports": [{"name": "rendezvous", "containerPort": ws.rendezvous.port, "protocol": "TCP"}]
+        + ([{"name": "http", "containerPort": SERVE_PORT, "protocol": "TCP"}] if ws.serve is not None else []),
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_PATH}],
     }
     resources = _resources(sub)
@@ -221,7 +222,10 @@ def service(sub: Submission, *, namespace: str, job_uid: str | None) -> dict[str
             "publishNotReadyAddresses": True,
             "selector": {names.RUN: sub.name},
             "ports": [{"name": "rendezvous", "port": sub.worker_spec.rendezvous.port,
-                       "targetPort": sub.worker_spec.rendezvous.port, "protocol": "TCP"}],
+                       "targetPort": sub.worker_spec.rendezvous.port, "protocol": "TCP"}]
+            # A serving run's endpoint: http://<name>.<namespace>.svc:SERVE_PORT inside the cluster.
+            + ([{"name": "http", "port": SERVE_PORT, "targetPort": SERVE_PORT, "protocol": "TCP"}]
+               if sub.worker_spec.serve is not None else []),
         },
     }
 
