@@ -98,5 +98,7 @@ def run_serve(spec: WorkerSpec) -> int:
     print(f"deepfleet-worker: job {spec.job_id} serving {spec.checkpoint.dir if spec.checkpoint else ''} at "
           f"{url}/v1/completions", flush=True)
     _report(url)
-    uvicorn.Server(uvicorn.Config(app, fd=sock.fileno(), log_level="info")).run()
+    # The socket object itself, not `fd=`: uvicorn labels an fd's socket AF_UNIX, so accepted TCP
+    # connections would miss TCP_NODELAY and each response would wait out the client's delayed ACK.
+    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
     return int(ExitCode.SUCCEEDED)
