@@ -229,6 +229,27 @@ def _check_env_names(env: dict[str, str | SecretRef]) -> dict[str, str | SecretR
     return env
 
 
+def _backend_problems(spec: TrainingSpec | ServingSpec) -> list[str]:
+    """The image and backend sections a spec's backend needs or forbids (training and serving alike)."""
+    problems = []
+    if spec.backend in ("kubernetes", "azureml") and not spec.image:
+        problems.append(f"image: required for backend {spec.backend}; set spec.image to the worker image")
+    for section in ("kubernetes", "azureml"):
+        if getattr(spec, section) is not None and spec.backend != section:
+            problems.append(f"{section}: only applies to backend {section}; remove spec.{section} "
+                            f"or set spec.backend: {section}")
+    return problems
+
+
+def _env_key_problems(env: dict[str, str | SecretRef], backend: str) -> list[str]:
+    return [f"env.{name}.key: only applies to backend kubernetes (a key inside a Secret); drop key"
+            for name, value in env.items()
+            if isinstance(value, SecretRef) and value.key is not None and backend != "kubernetes"]
+
+
+_AZUREML_REQUIRED = "azureml: required for backend azureml; add azureml: {compute: <cluster name>}"
+
+
 class TrainingSpec(_Section):
     backend: Backend = "local"
     """Where the job runs: local processes, a Kubernetes cluster or Azure ML."""
@@ -281,23 +302,12 @@ class TrainingSpec(_Section):
 
     @model_validator(mode="after")
     def _backend_sections_match(self) -> TrainingSpec:
-        problems = []
-        if self.backend in ("kubernetes", "azureml") and not self.image:
-            problems.append(f"image: required for backend {self.backend}; set spec.image to the worker image")
-        if self.kubernetes is not None and self.backend != "kubernetes":
-            problems.append("kubernetes: only applies to backend kubernetes; remove spec.kubernetes "
-                            "or set spec.backend: kubernetes")
-        if self.azureml is not None and self.backend != "azureml":
-            problems.append("azureml: only applies to backend azureml; remove spec.azureml "
-                            "or set spec.backend: azureml")
+        problems = _backend_problems(self)
         if self.kubernetes is not None and self.kubernetes.checkpoint_claim:
             if self.checkpoint is None or not self.checkpoint.dir.startswith("/"):
                 problems.append("kubernetes.checkpointClaim: mounts at checkpoint.dir, which must be an absolute "
                                 "path; set checkpoint: {dir: /checkpoints/<job>} or drop checkpointClaim")
-        for name, value in self.env.items():
-            if isinstance(value, SecretRef) and value.key is not None and self.backend != "kubernetes":
-                problems.append(f"env.{name}.key: only applies to backend kubernetes (a key inside a Secret); "
-                                "drop key")
+        problems += _env_key_problems(self.env, self.backend)
         if isinstance(self.entrypoint, FactoryEntrypoint) and self.max_steps is None:
             problems.append(MISSING_STEPS.format(key="maxSteps").replace("set maxSteps", "set spec.maxSteps"))
         if self.register_model is not None and self.checkpoint is None:
@@ -308,7 +318,7 @@ class TrainingSpec(_Section):
                             "the pods' checkpoint volume); export with `deepfleet checkpoint export` and run "
                             "`deepfleet register`, or drop registerModel")
         if self.backend == "azureml" and self.azureml is None:
-            problems.append("azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
+            problems.append(_AZUREML_REQUIRED)
         if problems:
             # One line per field, each "<field>: <problem>"; _format_error puts them under this section's path.
             raise ValueError(_FIELD_LINES + "\n".join(problems))
@@ -388,21 +398,13 @@ class ServingSpec(ServeOptions):
 
     @model_validator(mode="after")
     def _backend_sections_match(self) -> ServingSpec:
-        problems = []
-        if self.backend in ("kubernetes", "azureml") and not self.image:
-            problems.append(f"image: required for backend {self.backend}; set spec.image to the worker image")
-        for section in ("kubernetes", "azureml"):
-            if getattr(self, section) is not None and self.backend != section:
-                problems.append(f"{section}: only applies to backend {section}; remove spec.{section} "
-                                f"or set spec.backend: {section}")
+        problems = _backend_problems(self)
         if self.backend == "azureml" and self.azureml is None:
-            problems.append("azureml: required for backend azureml; add azureml: {compute: <cluster name>}")
+            problems.append(_AZUREML_REQUIRED)
         if self.kubernetes is not None and self.kubernetes.checkpoint_claim:
             problems.append("kubernetes.checkpointClaim: a serving job reads its checkpoint from the job named "
                             "in model.job; drop checkpointClaim")
-        for name, value in self.env.items():
-            if isinstance(value, SecretRef) and value.key is not None and self.backend != "kubernetes":
-                problems.append(f"env.{name}.key: only applies to backend kubernetes; drop key")
+        problems += _env_key_problems(self.env, self.backend)
         if problems:
             raise ValueError(_FIELD_LINES + "\n".join(problems))
         return self
