@@ -6,10 +6,16 @@ torchrun/torch.distributed.elastic exports RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PO
 only rendezvous we need; gloo on CPU, nccl when CUDA is present. A plain `python train.py` without
 those variables gets a one-rank group over an in-memory store, so every ZeRO strategy can rely on
 a process group (DDP and FSDP2 require one) without opening a port.
+
+A default group the engine creates (either way) is also destroyed by the engine at interpreter exit,
+unless the script destroyed it first: a gloo group left alive into interpreter finalization can
+still hold pending work whose tensors need the GIL, which aborts the finished process
+("terminate called without an active exception", exit -6) - pytorch#190489.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -55,6 +61,7 @@ def init_distributed(
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     placement = {"rank": rank, "world_size": world_size} if explicit else {}
     dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout, **placement)
+    _destroy_at_exit()
 
 
 def ensure_process_group(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
@@ -64,6 +71,18 @@ def ensure_process_group(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> No
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        _destroy_at_exit()
+
+
+def _destroy_at_exit() -> None:
+    # The id, not the group: a reference held by the hook would keep the group alive.
+    atexit.register(_destroy_own_group, id(dist.group.WORLD))
+
+
+def _destroy_own_group(group_id: int) -> None:
+    """Destroy the default group the engine made, unless the script already destroyed it."""
+    if dist.is_initialized() and id(dist.group.WORLD) == group_id:
+        dist.destroy_process_group()
 
 
 def training_device() -> torch.device:

@@ -6,6 +6,7 @@ test_precision.py and test_deepspeed_port.py."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -221,6 +222,33 @@ def test_init_distributed_is_a_no_op_alone_and_names_missing_variables(monkeypat
     deepspeed.init_distributed("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
     deepspeed.init_distributed()  # already initialized: no-op
+
+
+def test_the_group_the_engine_made_is_destroyed_at_exit(tmp_path) -> None:
+    """A gloo group alive into interpreter finalization can abort a finished script (exit -6); the
+    engine destroys the group it made before that, and leaves alone a group the script destroyed."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import atexit, sys, torch, torch.distributed as dist\n"
+        "import deepfleet.engine as deepspeed\n"
+        # registered first, so it runs after the engine's own exit hook
+        "atexit.register(lambda: print('at exit initialized:', dist.is_initialized()))\n"
+        "engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 1), config={\n"
+        "    'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},\n"
+        "    'zero_optimization': {'stage': int(sys.argv[1])}})\n"
+        "engine.backward(engine(torch.ones(2, 4)).sum()); engine.step()\n"
+        "if sys.argv[2] == 'destroy':\n"
+        "    dist.destroy_process_group()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    for stage, how in ((0, "leave"), (1, "leave"), (1, "destroy")):
+        proc = subprocess.run([sys.executable, str(script), str(stage), how], capture_output=True, text=True,
+                              timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "at exit initialized: False" in proc.stdout, (stage, how, proc.stdout)
 
 
 def test_backward_options() -> None:
