@@ -40,6 +40,7 @@ from deepfleet.engine.dist import ensure_process_group, training_device
 from deepfleet.engine.eigenvalue import Eigenvalue
 from deepfleet.engine.memory import HighWater
 from deepfleet.engine.metrics import StepRecorder, StepSink
+from deepfleet.engine.moe import layer as _moe_layer  # noqa: F401 - loaded with the package: scripts reach `deepspeed.moe.layer.MoE`
 from deepfleet.engine.moe.groups import bind_expert_parallel, model_ep_sizes
 from deepfleet.engine.parallel import ParallelDims
 from deepfleet.engine.privacy import DPSGD, build_privacy
