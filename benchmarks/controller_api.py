@@ -88,18 +88,14 @@ def _seed(url: str, n_jobs: int) -> list[str]:
     return ids
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _serve(settings: Settings) -> Iterator[str]:
-    port = _free_port()
+    sock = socket.socket()  # bound here on port 0 and handed to uvicorn: no port picked and bound later
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
                                            log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:

@@ -32,24 +32,31 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "gpt" / "job.yaml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _listener() -> socket.socket:
+    """A listening socket on a port of 127.0.0.1 the kernel picks, handed to the controller as is (no
+    port is picked first and bound later)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
 
 
-def start_controller(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    """The controller as a child process; returns once it answers /readyz (or raises with its log)."""
+def start_controller(data_dir: Path, listener: socket.socket) -> subprocess.Popen[bytes]:
+    """The controller as a child process serving on `listener` (closed here once the child holds its
+    copy); returns once it answers /readyz (or raises with its log)."""
+    port = listener.getsockname()[1]
     data_dir.mkdir(parents=True, exist_ok=True)
     log = open(data_dir / "controller.log", "ab")  # noqa: SIM115 - closed by stop_controller's caller exit
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DEEPFLEET_DATABASE_URL", None)
     env.pop("DATABASE_URL", None)  # the demo is the embedded default: SQLite in data_dir
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deepfleet.controller.server", "--port", str(port), "--data-dir", str(data_dir),
-         "--workdir", str(ROOT), "--slots", "2", "--heartbeat-interval", "1", "--reconcile-interval", "0.5"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        [sys.executable, "-m", "deepfleet.controller.server", "--port", str(port), "--fd", str(listener.fileno()),
+         "--data-dir", str(data_dir), "--workdir", str(ROOT), "--slots", "2", "--heartbeat-interval", "1",
+         "--reconcile-interval", "0.5"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, pass_fds=[listener.fileno()],
     )
+    listener.close()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -84,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     stay = not (args.exit or os.environ.get("DEEPFLEET_DEMO_EXIT") or not sys.stdin.isatty())
     data_dir = (args.data_dir or ROOT / "runs" / f"demo-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     document = json.loads(load_job_document(args.job))
-    port = _free_port()
+    listener = _listener()
+    port = listener.getsockname()[1]
     print(f"starting the controller (SQLite + local backend) at http://127.0.0.1:{port}/ui/ ...", flush=True)
-    proc = start_controller(data_dir, port)
+    proc = start_controller(data_dir, listener)
     url = f"http://127.0.0.1:{port}"
     try:
         token = (data_dir / "admin-token").read_text().strip()

@@ -23,19 +23,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now (for programs that must bind it themselves)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, out: Any,

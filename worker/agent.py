@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import FrameType
 
-from deepfleet.worker.rendezvous import Rendezvous, RendezvousEnvError, resolve
+from deepfleet.worker.rendezvous import Rendezvous, RendezvousEnvError, bind_store, resolve
 from deepfleet.worker.signals import MARKER_ENV
 from deepfleet.worker.spec import (
     SPEC_ENV,
@@ -259,6 +259,12 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
     if spec.preemption.notice_file:
         threading.Thread(target=_watch_notice_file, args=(spec.preemption.notice_file, stop),
                          name="deepfleet-notice", daemon=True).start()
+    try:
+        # node 0's store server (port 0 only) stays open through the launch: torch's handler reuses it
+        rdzv, _server = bind_store(rdzv, timeout_s=spec.rendezvous.join_timeout_s)
+    except RendezvousEnvError as e:
+        print(f"deepfleet-worker: {e}", file=sys.stderr)
+        return int(ExitCode.INVALID_SPEC)
     print(f"deepfleet-worker: job {spec.job_id} attempt {spec.attempt} node {rdzv.node_rank}/{rdzv.nnodes} "
           f"({rdzv.platform}), rendezvous {rdzv.endpoint} run {rdzv.run_id}", file=sys.stderr, flush=True)
     try:

@@ -25,14 +25,26 @@ azureml (command job, `distribution: PyTorch` with process_count_per_instance=1,
 
 On every platform DEEPFLEET_NNODES, when set, overrides the platform's node count, and the spec's
 `rendezvous.endpoint` overrides the derived rendezvous endpoint.
+
+Port 0 (DEEPFLEET_MASTER_PORT=0 or `rendezvous.port: 0`, what the local backend asks for): node 0 binds
+the rendezvous store on a port the kernel picks and publishes it, and the other nodes read it, so no
+port is ever picked first and bound later (another program could take it in between). `bind_store`
+does this: node 0 starts a multi-tenant TCPStore server on port 0 and keeps it, torch's c10d rendezvous
+handler then opens the same server (it reuses a multi-tenant server of this process on that port), and
+the port goes to DEEPFLEET_RDZV_PORT_FILE (written to a temporary name, then renamed), which the other
+nodes, on the same host, wait for. Without the file only a single-node job may use port 0.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
-from deepfleet.worker.spec import WorkerSpec
+from deepfleet.worker.spec import PORT_FILE_ENV, WorkerSpec
 
 PLATFORMS = ("local", "kubernetes", "azureml")
 
@@ -55,6 +67,7 @@ class Rendezvous:
     master_port: int
     endpoint: str  # "host:port" of the c10d rendezvous store
     run_id: str
+    port_file: str | None = None  # where node 0 publishes the port it bound (port 0 only)
 
     @property
     def world_size(self) -> int:
@@ -172,8 +185,13 @@ def resolve(spec: WorkerSpec, environ: Mapping[str, str]) -> Rendezvous:
     if not 0 <= node_rank < nnodes:
         raise RendezvousEnvError(f"node_rank: {node_rank} is outside [0, {nnodes}); check the platform's "
                                  "node-rank variable")
-    if not 0 < port < 65536:
-        raise RendezvousEnvError(f"master_port: {port} is not a TCP port; set a port in 1..65535")
+    if not 0 <= port < 65536:
+        raise RendezvousEnvError(f"master_port: {port} is not a TCP port; set a port in 1..65535 (or 0: node 0 picks)")
+    port_file = environ.get(PORT_FILE_ENV) or None
+    if port == 0 and not spec.rendezvous.endpoint and port_file is None and spec.nodes.max > 1:
+        raise RendezvousEnvError(f"master_port: 0 (node 0 picks the port) with up to {spec.nodes.max} nodes needs "
+                                 f"{PORT_FILE_ENV}, a file on a shared path where node 0 publishes it; set it "
+                                 "or give a fixed port")
     return Rendezvous(
         platform=platform,
         node_rank=node_rank,
@@ -185,4 +203,47 @@ def resolve(spec: WorkerSpec, environ: Mapping[str, str]) -> Rendezvous:
         master_port=port,
         endpoint=spec.rendezvous.endpoint or f"{addr}:{port}",
         run_id=spec.run_id,
+        port_file=port_file,
     )
+
+
+def bind_store(rdzv: Rendezvous, *, timeout_s: float) -> tuple[Rendezvous, Any]:
+    """(`rdzv` on its real port, the store server node 0 keeps open or None) for a port-0 rendezvous;
+    `rdzv` itself and None otherwise. Node 0 binds and publishes, the other nodes wait up to `timeout_s`
+    for the published port (RendezvousEnvError when it does not come)."""
+    if rdzv.master_port != 0:
+        return rdzv, None
+    server = None
+    if rdzv.node_rank == 0:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        server = TCPStore(rdzv.master_addr, 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
+        port = server.port
+        if rdzv.port_file is not None:
+            target = Path(rdzv.port_file)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(f"{port}\n")
+            os.replace(tmp, target)
+    else:
+        port = _wait_for_port(rdzv.port_file, timeout_s)
+    return replace(rdzv, master_port=port, endpoint=f"{rdzv.master_addr}:{port}"), server
+
+
+def _wait_for_port(port_file: str | None, timeout_s: float) -> int:
+    if port_file is None:
+        raise RendezvousEnvError(f"master_port: 0 on a node other than node 0 needs {PORT_FILE_ENV}; set it")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            text = Path(port_file).read_text().strip()
+        except FileNotFoundError:
+            text = ""
+        if text.isdigit() and 0 < int(text) < 65536:
+            return int(text)
+        if time.monotonic() > deadline:
+            raise RendezvousEnvError(f"{PORT_FILE_ENV}: node 0 did not publish its rendezvous port in {port_file} "
+                                     f"within {timeout_s:.0f} s; check that node 0 started (its log)")
+        time.sleep(0.05)

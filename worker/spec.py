@@ -48,6 +48,7 @@ KEYVAULT_URL_ENV = "DEEPFLEET_KEYVAULT_URL"
 KEYVAULT_SECRETS_ENV = "DEEPFLEET_KEYVAULT_SECRETS"
 # A serving worker writes its endpoint's URL (one line) to this file once it listens (local backend).
 ENDPOINT_FILE_ENV = "DEEPFLEET_ENDPOINT_FILE"
+PORT_FILE_ENV = "DEEPFLEET_RDZV_PORT_FILE"  # where node 0 publishes a port-0 rendezvous port
 SERVE_PORT = 8000  # where a serving worker listens in a container (pod, Azure ML node)
 
 SIGNAL_EXIT_BASE = 128
@@ -317,7 +318,8 @@ class RendezvousSpec(_Model):
 
     backend: Literal["c10d"] = Field("c10d", description="Rendezvous backend (c10d: a TCPStore on one node).")
     endpoint: str | None = Field(None, description='"host:port" of the rendezvous store; None: derived.')
-    port: int = Field(29400, ge=1, le=65535, description="Port when the endpoint is derived.")
+    port: int = Field(29400, ge=0, le=65535, description="Port when the endpoint is derived; 0: node 0 binds a "
+                      "free one and publishes it in DEEPFLEET_RDZV_PORT_FILE (one host only, see worker/rendezvous.py).")
     run_id: str | None = Field(None, description='Rendezvous run id; None: "<job_id>-<attempt>".')
     join_timeout_s: float = Field(600.0, gt=0, description="How long a node waits for the group to form.")
     last_call_timeout_s: float = Field(

@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -63,6 +62,7 @@ from deepfleet.worker.spec import (
     EXPORT_MANIFEST,
     EXPORT_SUBDIR,
     FACTORY_MODULES_ENV,
+    PORT_FILE_ENV,
     SPEC_ENV,
     ExportManifest,
     FailureClass,
@@ -107,13 +107,6 @@ def default_worker_command() -> list[str]:
         return [str(beside)]
     found = shutil.which("deepfleet-worker")
     return [found] if found else [sys.executable, "-m", "deepfleet.worker.cli"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -279,8 +272,12 @@ class LocalBackend:
             raise BackendError(f"local run {sub.name}: {e}", transient=False) from e
         secret_env = self._secret_env(sub, project)
         nodes = sub.worker_spec.nodes.max
-        port = free_port()
-        ws = ws.model_copy(update={"rendezvous": ws.rendezvous.model_copy(update={"endpoint": f"127.0.0.1:{port}"})})
+        # Port 0: node 0's worker binds the rendezvous store on a port the kernel picks and publishes it
+        # in the port file, which the other nodes read (worker/rendezvous.py), so no port is picked first
+        # and bound later.
+        ws = ws.model_copy(update={"rendezvous": ws.rendezvous.model_copy(update={"endpoint": None, "port": 0})})
+        port_file = area.status / f"{sub.name}.rdzv-port"
+        port_file.unlink(missing_ok=True)
         serve_env: dict[str, str] = {}
         endpoint_file = area.status / f"{sub.name}.endpoint"
         endpoint_file.unlink(missing_ok=True)
@@ -293,7 +290,7 @@ class LocalBackend:
         for stale in area.status.glob(f"{sub.name}.node-*.exit"):
             stale.unlink()
         state = {"name": sub.name, "job_id": sub.job_id, "attempt": sub.attempt, "nodes": nodes,
-                 "min_nodes": sub.worker_spec.nodes.min, "port": port, "pids": [], "complete": False,
+                 "min_nodes": sub.worker_spec.nodes.min, "port_file": str(port_file), "pids": [], "complete": False,
                  "status_dir": str(area.status), "serving": ws.serve is not None}
         self._write_state(sub.name, state)  # the intent first: a crash from here on is found by submit/cancel
         base = {**self._passthrough(), **secret_env, **sub.env, **self._area_env(area), **serve_env,
@@ -306,7 +303,8 @@ class LocalBackend:
                     "DEEPFLEET_NODE_RANK": str(node),
                     "DEEPFLEET_NNODES": str(nodes),
                     "DEEPFLEET_MASTER_ADDR": "127.0.0.1",
-                    "DEEPFLEET_MASTER_PORT": str(port),
+                    "DEEPFLEET_MASTER_PORT": "0",
+                    PORT_FILE_ENV: str(port_file),
                     "DF_EXIT_FILE": str(self._exit_file(state, node)),
                 }
                 fd = os.open(self.log_path(sub.name, node), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

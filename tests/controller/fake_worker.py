@@ -23,6 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deepfleet.worker.rendezvous import resolve
 from deepfleet.worker.spec import (
     EXPORT_MANIFEST,
     EXPORT_MODEL_FILE,
@@ -46,7 +47,8 @@ def main() -> int:
     p.add_argument("--no-export", action="store_true")
     args = p.parse_args(spec.entrypoint.args)
     node = int(os.environ.get("DEEPFLEET_NODE_RANK", "0"))
-    print(f"fake worker node {node} attempt {spec.attempt} rendezvous {spec.rendezvous.endpoint}", flush=True)
+    rdzv = resolve(spec, os.environ)  # port 0: node 0 would bind and publish in rdzv.port_file
+    print(f"fake worker node {node} attempt {spec.attempt} rendezvous {rdzv.endpoint} {rdzv.port_file}", flush=True)
     if args.child:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     ckpt = Path(spec.checkpoint.dir) if spec.checkpoint else None

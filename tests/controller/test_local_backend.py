@@ -48,7 +48,8 @@ def test_two_nodes_run_to_success_with_logs_per_node(tmp_path: Path) -> None:
     assert obs.phase is RunPhase.SUCCEEDED and obs.exit_codes == {0: 0, 1: 0}
     for node in (0, 1):
         log = (tmp_path / "logs" / sub.name / f"node-{node}.log").read_text()
-        assert log.count(f"fake worker node {node} attempt 0 rendezvous 127.0.0.1:") == 1
+        port_file = Path(json.loads((be.run_dir(sub.name) / "state.json").read_text())["port_file"])
+        assert log.count(f"fake worker node {node} attempt 0 rendezvous 127.0.0.1:0 {port_file}") == 1
         assert "done" in log
     assert list(be.logs(sub.name, node=1, tail=1)) == ["done\n"]
 

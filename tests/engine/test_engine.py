@@ -208,7 +208,7 @@ def test_state_dict_round_trip_uses_original_fqns(stage: int, bf16: bool) -> Non
 
 
 def test_init_distributed_is_a_no_op_alone_and_names_missing_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.spawn import free_port
+    import datetime
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
@@ -219,7 +219,10 @@ def test_init_distributed_is_a_no_op_alone_and_names_missing_variables(monkeypat
         deepspeed.init_distributed()
     with pytest.raises(ValueError, match="rank: required"):
         deepspeed.init_distributed(world_size=1)
-    deepspeed.init_distributed("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # bound first on port 0 and kept: torch's tcp:// rendezvous opens it as a multi-tenant server
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    deepspeed.init_distributed("gloo", init_method=f"tcp://127.0.0.1:{server.port}", rank=0, world_size=1)
     assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
     deepspeed.init_distributed()  # already initialized: no-op
 

@@ -22,7 +22,6 @@ from deepfleet.worker.agent import (
 )
 from deepfleet.worker.rendezvous import resolve
 from deepfleet.worker.spec import WorkerSpecError, parse_worker_spec
-from tests.spawn import free_port
 from tests.worker.run_worker import WORKER, run_worker
 
 SCRIPT = Path(__file__).with_name("elastic_script.py")
@@ -64,7 +63,7 @@ def _spec(tmp_path: Path, args: list[str], **over: object) -> dict:
         "entrypoint": {"script": str(SCRIPT), "args": ["--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path),
                                                        *args]},
         "processes_per_node": 2,
-        "rendezvous": {"port": free_port(), "last_call_timeout_s": 2, "join_timeout_s": 60},
+        "rendezvous": {"port": 0, "last_call_timeout_s": 2, "join_timeout_s": 60},
         "restart": {"max_restarts": 0}, "monitor_interval_s": 0.2,
         "preemption": {"grace_period_s": 20},
     }
@@ -77,10 +76,11 @@ def test_launch_config_and_child_environment(tmp_path: Path) -> None:
                                    heartbeat={"url": "http://c/hb", "token": "s3cret"},
                                    preemption={"notice_file": "/tmp/notice", "grace_period_s": 12.5}),
                              environ={})
-    rdzv = resolve(spec, {"DEEPFLEET_NNODES": "2", "DEEPFLEET_NODE_RANK": "1", "DEEPFLEET_MASTER_ADDR": "h0"})
+    rdzv = resolve(spec, {"DEEPFLEET_NNODES": "2", "DEEPFLEET_NODE_RANK": "1", "DEEPFLEET_MASTER_ADDR": "h0",
+                          "DEEPFLEET_MASTER_PORT": "29511"})
     cfg = launch_config(spec, rdzv)
     assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node, cfg.rdzv_backend) == (1, 2, 2, "c10d")
-    assert cfg.rdzv_endpoint == f"h0:{spec.rendezvous.port}" and cfg.run_id == "e2e-0"
+    assert cfg.rdzv_endpoint == "h0:29511" and cfg.run_id == "e2e-0"
     assert cfg.rdzv_configs.items() >= {"join_timeout": 60, "last_call_timeout": 2, "close_timeout": 60,
                                         "is_host": False, "keep_alive_interval": 5,
                                         "keep_alive_max_attempt": 3}.items()
@@ -96,8 +96,8 @@ def test_launch_config_and_child_environment(tmp_path: Path) -> None:
     assert parse_worker_spec(child, environ=env).heartbeat.token == "s3cret"
 
 
-def _run_worker(spec: dict, *, timeout: float = 150, on_line=None) -> tuple[int, str]:
-    return run_worker(spec, timeout=timeout, wait_s=30, on_line=on_line)
+def _run_worker(spec: dict, *, timeout: float = 150, on_line=None, extra_env: dict | None = None) -> tuple[int, str]:
+    return run_worker(spec, timeout=timeout, wait_s=30, on_line=on_line, extra_env=extra_env)
 
 
 def _steps(log: str) -> list[tuple[int, int, int, float]]:
@@ -226,7 +226,8 @@ def test_sigterm_while_waiting_for_peers_exits_143(tmp_path: Path) -> None:
 
     spec = _spec(tmp_path, [], nodes={"min": 2, "max": 2})
     start = time.monotonic()
-    code, log = _run_worker(spec, on_line=terminate_once_started, timeout=60)
+    code, log = _run_worker(spec, on_line=terminate_once_started, timeout=60,
+                            extra_env={"DEEPFLEET_RDZV_PORT_FILE": str(tmp_path / "rdzv-port")})
     assert code == 143, log
     assert time.monotonic() - start < 30
 

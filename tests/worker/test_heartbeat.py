@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Iterator
 
@@ -13,7 +14,6 @@ import pytest
 
 from deepfleet.worker.heartbeat import HeartbeatReporter
 from deepfleet.worker.spec import FailureClass, FailureReport, Heartbeat, HeartbeatSpec
-from tests.spawn import free_port
 from tests.worker.http_sink import Sink, running_sink
 
 
@@ -66,13 +66,15 @@ def test_slow_endpoint_never_blocks_and_drops_the_oldest(controller: Sink) -> No
 
 
 def test_dead_endpoint_is_counted_and_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    url = f"http://127.0.0.1:{free_port()}/hb"  # nothing listens there
-    hb = HeartbeatReporter(HeartbeatSpec(url=url, interval_s=3600, timeout_s=0.5)).start()
-    with caplog.at_level(logging.WARNING, logger="deepfleet.worker.heartbeat"):
-        for step in range(5):
-            hb.submit(Heartbeat(step=step))
-            time.sleep(0.05)
-        hb.close(flush_s=5)
+    with socket.socket() as bound:  # bound and held, never listening: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}/hb"
+        hb = HeartbeatReporter(HeartbeatSpec(url=url, interval_s=3600, timeout_s=0.5)).start()
+        with caplog.at_level(logging.WARNING, logger="deepfleet.worker.heartbeat"):
+            for step in range(5):
+                hb.submit(Heartbeat(step=step))
+                time.sleep(0.05)
+            hb.close(flush_s=5)
     assert hb.sent == 0 and hb.failed + hb.dropped == 5 and hb.failed >= 1
     assert len([r for r in caplog.records if "heartbeat to" in r.message]) == 1
     assert not hb.report_failure(FailureReport(rank=0, failure_class=FailureClass.USER_ERROR, message="x"))

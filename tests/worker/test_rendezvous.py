@@ -4,9 +4,13 @@ MASTER_ADDR and MASTER_PORT."""
 
 from __future__ import annotations
 
+import datetime
+import threading
+from pathlib import Path
+
 import pytest
 
-from deepfleet.worker.rendezvous import RendezvousEnvError, detect_platform, resolve
+from deepfleet.worker.rendezvous import RendezvousEnvError, bind_store, detect_platform, resolve
 from deepfleet.worker.spec import parse_worker_spec
 
 
@@ -61,6 +65,48 @@ def test_incomplete_environments_name_the_variable(env: dict, message: str) -> N
     with pytest.raises(RendezvousEnvError) as e:
         resolve(_spec(), env)
     assert str(e.value).startswith(message)
+
+
+def test_port_zero_node_zero_binds_and_publishes_the_other_nodes_read_it(tmp_path: Path) -> None:
+    """No port is picked and bound later: node 0 binds port 0 and keeps the server; node 1 waits for
+    the port file, and a store client on the published endpoint reaches node 0's server."""
+    from torch.distributed import TCPStore
+
+    port_file = tmp_path / "run.rdzv-port"
+    env = {"DEEPFLEET_NNODES": "2", "DEEPFLEET_MASTER_PORT": "0", "DEEPFLEET_RDZV_PORT_FILE": str(port_file)}
+    spec = _spec()
+    nodes = [resolve(spec, {**env, "DEEPFLEET_NODE_RANK": str(n)}) for n in (0, 1)]
+    assert [(n.master_port, n.port_file) for n in nodes] == [(0, str(port_file))] * 2
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(bind_store(nodes[1], timeout_s=20)))
+    reader.start()  # node 1 first: it waits until node 0 publishes
+    bound, server = bind_store(nodes[0], timeout_s=20)
+    reader.join(30)
+    (late, no_server), = got
+    assert server is not None and no_server is None and 0 < bound.master_port < 65536
+    assert late.master_port == bound.master_port and late.endpoint == bound.endpoint == f"127.0.0.1:{server.port}"
+    assert port_file.read_text().strip() == str(server.port) and not list(tmp_path.glob(".*.tmp"))
+    # torch's c10d handler opens the store as a multi-tenant master on that port: it reuses node 0's server
+    host = TCPStore("127.0.0.1", bound.master_port, is_master=True, multi_tenant=True,
+                    timeout=datetime.timedelta(seconds=10))
+    host.set("joined", "1")
+    client = TCPStore("127.0.0.1", late.master_port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    assert client.get("joined") == b"1" and server.get("joined") == b"1"
+    # a fixed port is left as it is, with no server
+    fixed = resolve(spec, {"DEEPFLEET_NNODES": "2", "DEEPFLEET_MASTER_PORT": "29500"})
+    assert bind_store(fixed, timeout_s=1) == (fixed, None)
+
+
+def test_port_zero_errors_name_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(RendezvousEnvError, match="^master_port: 0 .* needs DEEPFLEET_RDZV_PORT_FILE"):
+        resolve(_spec(), {"DEEPFLEET_NNODES": "2", "DEEPFLEET_MASTER_PORT": "0"})
+    single = resolve(_spec(nodes={"min": 1, "max": 1}, rendezvous={"port": 0}), {})
+    bound, server = bind_store(single, timeout_s=5)  # one node: no file needed
+    assert server is not None and bound.master_port == server.port > 0
+    waiting = resolve(_spec(), {"DEEPFLEET_NNODES": "2", "DEEPFLEET_NODE_RANK": "1", "DEEPFLEET_MASTER_PORT": "0",
+                                "DEEPFLEET_RDZV_PORT_FILE": str(tmp_path / "never")})
+    with pytest.raises(RendezvousEnvError, match="^DEEPFLEET_RDZV_PORT_FILE: node 0 did not publish"):
+        bind_store(waiting, timeout_s=0.3)
 
 
 @pytest.mark.parametrize(

@@ -129,10 +129,10 @@ def test_every_backend_yields_the_same_process_layout(tmp_path: Path) -> None:
         assert {(n.nnodes, n.nproc_per_node, n.min_nodes, n.max_nodes) for n in nodes} == {(NODES, PROCS, NODES, NODES)}
         assert layout(nodes) == expected, platform
         # One master for the whole job: every node names the same address, port and store endpoint.
-        assert len({(n.master_addr, n.master_port, n.endpoint, n.run_id) for n in nodes}) == 1, platform
-    # ...and it is node 0 on the port the platform designates.
-    assert (local[0].master_addr, local[0].master_port) == ("127.0.0.1", state["port"])
-    assert local[0].endpoint == f"127.0.0.1:{state['port']}"
+        assert len({(n.master_addr, n.master_port, n.endpoint, n.run_id, n.port_file) for n in nodes}) == 1, platform
+    # ...and it is node 0 on the port the platform designates: locally, the one node 0 binds (port 0)
+    # and publishes in the run's port file.
+    assert (local[0].master_addr, local[0].master_port, local[0].port_file) == ("127.0.0.1", 0, state["port_file"])
     index0 = next(p for p in pods if p["spec"]["hostname"].endswith("-0"))
     assert k8s[0].master_addr == f"{index0['spec']['hostname']}.{index0['spec']['subdomain']}.default.svc"
     assert k8s[0].master_port == 29400 and k8s[0].endpoint == f"{k8s[0].master_addr}:29400"

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.spawn import free_port
 from tests.worker.http_sink import Sink, running_sink
 from tests.worker.run_worker import run_worker
 
@@ -30,7 +29,7 @@ def test_a_script_jobs_heartbeats_arrive_through_the_real_worker(controller: Sin
         "engine_config": {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}},
         "checkpoint": {"dir": str(tmp_path / "ck")},
         "heartbeat": {"url": controller.url("/jobs/script/heartbeat"), "token": "s3cret", "interval_s": 0.01},
-        "rendezvous": {"port": free_port(), "last_call_timeout_s": 1, "join_timeout_s": 60},
+        "rendezvous": {"port": 0, "last_call_timeout_s": 1, "join_timeout_s": 60},
         "restart": {"max_restarts": 0}, "monitor_interval_s": 0.2,
     }
     code, log = run_worker(spec, timeout=180, wait_s=30)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.spawn import free_port
 from tests.worker.http_sink import running_sink
 from tests.worker.run_worker import run_worker
 
@@ -36,7 +35,7 @@ def _spec(ckpt: Path, *, sleep_s: float = 0.0, every: int = 0, **over: object) -
         "log_every_steps": 1,
         "checkpoint": {"dir": str(ckpt), "every_steps": every or None},
         "processes_per_node": 2,
-        "rendezvous": {"port": free_port(), "last_call_timeout_s": 2, "join_timeout_s": 60},
+        "rendezvous": {"port": 0, "last_call_timeout_s": 2, "join_timeout_s": 60},
         "restart": {"max_restarts": 0}, "monitor_interval_s": 0.2,
         "preemption": {"grace_period_s": 30},
     }
@@ -184,13 +183,12 @@ def test_lost_node_shrinks_the_group_and_resumes_at_the_smaller_world_size(refer
     process (a node loss). Node 0's agent restarts, the rendezvous closes with one node, and training
     resumes at world size 1 from the checkpoint written at world size 2 (the config fixes the global
     batch: gradient accumulation doubles at world size 1)."""
-    port = free_port()
     spec = _spec(tmp_path / "ckpt", sleep_s=0.3, every=1, processes_per_node=1, nodes={"min": 1, "max": 2},
-                 rendezvous={"port": port, "last_call_timeout_s": 2, "join_timeout_s": 60,
+                 rendezvous={"port": 0, "last_call_timeout_s": 2, "join_timeout_s": 60,
                              "keep_alive_interval_s": 1, "keep_alive_max_attempts": 2},
                  restart={"max_restarts": 2})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "DEEPFLEET_NNODES": "2",
-           "DEEPFLEET_MASTER_ADDR": "127.0.0.1", "DEEPFLEET_MASTER_PORT": str(port)}
+           "DEEPFLEET_MASTER_ADDR": "127.0.0.1", "DEEPFLEET_RDZV_PORT_FILE": str(tmp_path / "rdzv-port")}
     node1 = subprocess.Popen([sys.executable, "-m", "deepfleet.worker.cli", "--spec", json.dumps(spec)], cwd=ROOT,
                              env={**env, "DEEPFLEET_NODE_RANK": "1"}, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
