@@ -16,7 +16,9 @@ most `buffer_count` units in flight and, past the first, at most `buffer_count *
 (`buffer_count: 0` reads each unit only when forward reaches it). Reads land in the storages themselves:
 no staging copies. The shards then stay in memory through backward (FSDP2 gathers them again there) and
 the optimizer step (which updates them), and `zero_grad()` at the end of the step writes the stepped ones
-back and releases them. A forward without a step (evaluation) reads the units back and the next
+back and releases them. Nothing is released before the first forward: FSDP2's lazy init then re-pads the
+shards from their storages, so a new engine (or one just loaded from a checkpoint) holds its shards in
+memory until its first step ends. A forward without a step (evaluation) reads the units back and the next
 `zero_grad()` releases them again without a write (the files still hold those bytes). Units are kept in
 memory, never written, in module order while their elements fit in `max_in_cpu` (DeepSpeed's "parameter
 elements kept in host memory"; its default of 1e9 keeps models up to that size wholly in memory, so set
@@ -217,8 +219,11 @@ class NvmeParamOffload:
         """Write the changed resident units to their files and release every non-persistent unit's
         storages. Raises OSError when a write fails (that unit and the ones after it stay resident)."""
         self.drain()
-        if self.order:
-            self._recording = False
+        if not self.order:
+            # Before the first forward FSDP2 has not run its lazy init, which re-pads the shards from
+            # their storages (reset_sharded_param): they must stay in memory until it has.
+            return
+        self._recording = False
         for unit in self.units:
             if unit.persistent or not unit.resident:
                 continue

@@ -155,8 +155,10 @@ def resume_run(rank: int, world_size: int, root: str) -> dict:
 
     resumed = engine(cfg)
     resumed.load_checkpoint(ckpt, tag="t")
-    after_load = _released(resumed)
-    continued = train(resumed, range(SAVE_AT, STEPS))
+    after_load = _released(resumed)  # before its first forward: still in memory (FSDP2's lazy init)
+    continued = train(resumed, range(SAVE_AT, SAVE_AT + 1))
+    after_first_step = _released(resumed)
+    continued += train(resumed, range(SAVE_AT + 1, STEPS))
 
     # A write that fails half-way: the first unit file of the step lands, the second one's write puts
     # half its bytes in the .tmp and raises (a disk that filled up, a process killed mid-write).
@@ -167,11 +169,15 @@ def resume_run(rank: int, world_size: int, root: str) -> dict:
     files = sorted(off.directory.glob("unit*.bin"))
     before_fail = {p.name: p.read_bytes() for p in files}
     real = os.pwrite
-    calls = {"n": 0}
+    files_seen: list[str] = []
 
     def failing(fd: int, data, offset: int) -> int:
-        calls["n"] += 1
-        if calls["n"] == 1:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if "deepfleet-params" not in path:  # the optimizer offload's files
+            return real(fd, data, offset)
+        if path not in files_seen:
+            files_seen.append(path)
+        if len(files_seen) == 1:
             return real(fd, data, offset)
         real(fd, bytes(data)[: len(data) // 2], offset)
         raise OSError(28, "No space left on device")
@@ -194,7 +200,7 @@ def resume_run(rank: int, world_size: int, root: str) -> dict:
     after_kill = train(again, range(SAVE_AT, STEPS))
     return {
         "uninterrupted": first + rest, "continued": continued, "after_kill": after_kill,
-        "after_save": after_save, "after_load": after_load,
+        "after_save": after_save, "after_load": after_load, "after_first_step": after_first_step,
         "raised": raised, "changed_files": sorted(n for n in before_fail if after_fail.get(n) != before_fail[n]),
         "files_before_fail": sorted(before_fail), "files_after_fail": sorted(after_fail), "tmp": tmp,
         "kept_resident": kept_resident, "leftovers": leftovers,
