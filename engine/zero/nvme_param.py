@@ -57,6 +57,7 @@ from deepfleet.engine.zero.nvme_io import (
 )
 
 _KEY = "zero_optimization.offload_param.nvme_path"
+_ATTR = "_deepfleet_param_offload"  # on each offloaded DTensor parameter: (its NvmeParamOffload, its unit)
 
 
 @dataclass
@@ -124,6 +125,17 @@ class NvmeParamOffload:
         self._reads: dict[int, Future] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-param-read")
         self._hooks = [u.module.register_forward_pre_hook(self._hook(u.index), prepend=True) for u in self.units]
+        # Whatever reads or loads the shards outside forward (module.state_dict(), torch's
+        # get_model_state_dict, load_state_dict, the 16-bit model export) finds them in memory; they are
+        # released again at the end of the next step. A load changes them: the next page-out writes them.
+        for u in self.units:
+            self._hooks += [
+                u.module.register_state_dict_pre_hook(lambda *_: self.page_in_all()),
+                u.module.register_load_state_dict_pre_hook(lambda *_: self.page_in_all()),
+                u.module.register_load_state_dict_post_hook(lambda *_: self.mark_stepped()),
+            ]
+            for p in u.params:
+                setattr(p, _ATTR, (self, u.index))
         clear_directory(directory)
 
     def _file(self, index: int) -> Path:
@@ -249,6 +261,17 @@ class NvmeParamOffload:
             h.remove()
         self._reader.shutdown(wait=True)
         self.io.close()
+
+
+def fetch_for_update(param: torch.Tensor) -> None:
+    """Bring `param`'s shard back to memory for a reader outside forward that may also change it
+    (`deepspeed.zero.GatheredParameters`, engine/compat/zero.py): its unit is written at the next
+    page-out. A no-op for a parameter that is not offloaded."""
+    ref = getattr(param, _ATTR, None)
+    if ref is not None:
+        offload, index = ref
+        offload.fetch(index)
+        offload.units[index].dirty = True
 
 
 def _clone_paged(state: dict, offload: NvmeParamOffload) -> dict:

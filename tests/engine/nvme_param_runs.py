@@ -118,8 +118,40 @@ def _released(eng) -> dict:
             "memory_params": sum(t.untyped_storage().nbytes() for t in eng.sharding.model_state_tensors()["params"])}
 
 
+def _outside_forward(eng, base) -> dict:
+    """Reads of the shards between steps (a module state dict, GatheredParameters, an evaluation forward)
+    against the run without offload: they find the shards in memory, and the next zero_grad() releases
+    them again without writing (the files still hold those bytes)."""
+    import deepfleet.engine as deepspeed
+
+    off = eng.sharding.param_offload
+    written = off.bytes_written
+    mine = {k: v.full_tensor() for k, v in eng.module.state_dict().items()}
+    ref = {k: v.full_tensor() for k, v in base.module.state_dict().items()}
+    out = {"state_dict_diff": max(float((mine[k] - ref[k]).abs().max()) for k in ref)}
+    eng.zero_grad()
+    out["released_after_state_dict"] = off.resident_elements()
+    w, w_ref = eng.module.blocks[1].fc.weight, base.module.blocks[1].fc.weight
+    with deepspeed.zero.GatheredParameters(w), deepspeed.zero.GatheredParameters(w_ref):
+        out["gathered_diff"] = float((eng.module.blocks[1].fc.weight - base.module.blocks[1].fc.weight).abs().max())
+    eng.zero_grad()  # GatheredParameters may change a shard: its unit is written
+    out["written_after_gathered"] = off.bytes_written - written
+    written = off.bytes_written
+    with torch.no_grad():
+        x, y = _batch(99, torch.distributed.get_rank())
+        out["eval_diff"] = abs(float(eng(x, y)) - float(base(x, y)))
+    out["resident_after_eval"] = off.resident_elements()
+    eng.zero_grad()
+    out["resident_after_zero_grad"] = off.resident_elements()
+    out["written_by_eval"] = off.bytes_written - written
+    out["total_elements"] = sum(u.elements for u in off.units)
+    out["unit_elements"] = [u.elements for u in off.units]
+    return out
+
+
 def losses_run(rank: int, world_size: int, root: str) -> dict:
-    out: dict = {"base": train(engine(config()), range(STEPS)),
+    base = engine(config())
+    out: dict = {"base": train(base, range(STEPS)),
                  "base_bf16": train(engine(config(bf16=True)), range(STEPS))}
     for name, kw in (("param", {}), ("both", {"optimizer": True}), ("param_bf16", {"bf16": True})):
         pdir, odir = Path(root) / f"{name}-p", Path(root) / f"{name}-o"
@@ -136,9 +168,20 @@ def losses_run(rank: int, world_size: int, root: str) -> dict:
         off = eng.sharding.param_offload
         out[name] = {"losses": losses, "before": before, "after": after, "read": off.bytes_read,
                      "written": off.bytes_written, "order": list(off.order)}
+        if name == "param":
+            out[name]["outside"] = _outside_forward(eng, base)
         if kw.get("optimizer"):
             out[name]["optimizer_state_in_memory"] = sum(len(s) for s in eng.optimizer.state.values() if s)
             out[name]["optimizer_files"] = eng.sharding.offloaded_optimizer_bytes()
+    kept_dir = Path(root) / "kept"
+    os.makedirs(kept_dir, exist_ok=True)
+    cfg = config(params=str(kept_dir))
+    root_elements = out["param"]["outside"]["unit_elements"][0]
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = root_elements  # the root unit fits, no block does
+    eng = engine(cfg)
+    out["kept"] = {"losses": train(eng, range(STEPS)), "after": _released(eng),
+                   "persistent": [u.persistent for u in eng.sharding.param_offload.units],
+                   "root_elements": root_elements}
     return out
 
 

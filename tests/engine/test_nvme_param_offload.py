@@ -67,6 +67,27 @@ def test_shards_are_released_after_each_step_and_files_hold_them(runs: list[dict
             assert len(after["files"]) == after["units"] == 4
 
 
+def test_reads_outside_forward_find_the_shards_in_memory(runs: list[dict]) -> None:
+    for r in runs:
+        o = r["param"]["outside"]
+        assert o["state_dict_diff"] <= 1e-6 and o["gathered_diff"] <= 1e-6 and o["eval_diff"] <= 1e-6, o
+        assert o["released_after_state_dict"] == 0  # zero_grad() released them again
+        assert o["written_after_gathered"] > 0  # GatheredParameters may have changed the shard: written back
+        assert o["resident_after_eval"] == o["total_elements"] and o["resident_after_zero_grad"] == 0
+        assert o["written_by_eval"] == 0  # unchanged shards are released without a write
+
+
+def test_max_in_cpu_keeps_the_units_that_fit_in_memory(runs: list[dict]) -> None:
+    for r in runs:
+        kept = r["kept"]
+        assert _close(kept["losses"], r["base"]) <= 1e-6
+        assert kept["persistent"] == [True, False, False, False]  # the root unit fits, no block after it
+        sizes = kept["after"]["storage_bytes"]
+        assert all(n > 0 for n in sizes[:4]) and sizes[4:] == [0] * 6  # the root's 4 params stay in memory
+        assert kept["after"]["resident"] == kept["root_elements"]
+        assert sorted(kept["after"]["files"]) == ["unit0001.bin", "unit0002.bin", "unit0003.bin"]
+
+
 def test_resume_from_a_checkpoint_continues_like_the_uninterrupted_run(resumes: list[dict]) -> None:
     for r in resumes:
         tail = r["uninterrupted"][-len(r["continued"]):]
