@@ -82,6 +82,19 @@ def _local(p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if isinstance(p, DTensor) else p
 
 
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors inside a module's output (nested tuples, lists, dicts, dataclass-like objects)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if hasattr(x, "__dict__") and not isinstance(x, nn.Module):  # ModelOutput-style containers
+        return [t for v in vars(x).values() for t in _tensors(v)]
+    return []
+
+
 def _unit_storages(unit: _Unit) -> list[torch.UntypedStorage]:
     """The unit's shard storages (FSDP2's padded 1-D buffers), each once; empty shards have none."""
     seen: dict[int, torch.UntypedStorage] = {}
@@ -124,7 +137,13 @@ class NvmeParamOffload:
         self._recording = True
         self._reads: dict[int, Future] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-param-read")
+        self._root = model
+        self._in_backward = False  # from the first backward hook to the next root forward
+        self._post_forward: list[int] = []  # units in the order their forward finished, this iteration
         self._hooks = [u.module.register_forward_pre_hook(self._hook(u.index), prepend=True) for u in self.units]
+        # prepend: ahead of FSDP2's post-forward, so the backward hooks registered on the outputs here run
+        # before the one FSDP2 registers there (which all-gathers the unit again)
+        self._hooks += [u.module.register_forward_hook(self._after_hook(u.index), prepend=True) for u in self.units]
         # Whatever reads or loads the shards outside forward (module.state_dict(), torch's
         # get_model_state_dict, load_state_dict, the 16-bit model export) finds them in memory; they are
         # released again at the end of the next step. A load changes them: the next page-out writes them.
@@ -168,7 +187,16 @@ class NvmeParamOffload:
 
         return before_forward
 
+    def _after_hook(self, index: int) -> Any:
+        def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+            self._after_forward(index, output)
+
+        return after_forward
+
     def _before_forward(self, index: int) -> None:
+        if self.units[index].module is self._root:  # a new forward (not a recomputation inside backward)
+            self._in_backward = False
+            self._post_forward.clear()
         if self._recording and index not in self._position:
             self._position[index] = len(self.order)
             self.order.append(index)
@@ -198,6 +226,54 @@ class NvmeParamOffload:
                 break
             self._reads[j] = self._reader.submit(self._read, j)
             in_flight += unit.elements
+
+    def _after_forward(self, index: int, output: Any) -> None:
+        """Between a unit's forward and its backward its shards are not read: release them when the file
+        already holds these bytes (not before the first step's write, never the root's, which FSDP2 keeps
+        gathered, nor persistent ones), and hook the outputs to read them back before backward needs them."""
+        if self._in_backward:  # activation checkpointing's recomputation: the backward hooks are in place
+            return
+        pos = len(self._post_forward)
+        self._post_forward.append(index)
+        unit = self.units[index]
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            for t in tensors:
+                t.register_hook(self._backward_hook(index, pos))
+            if not tensors:  # nothing to hook: keep the shards for whatever backward does
+                return
+        if unit.module is self._root or unit.persistent or unit.dirty or not unit.layout or not unit.resident:
+            return
+        self._release(unit)
+
+    def _backward_hook(self, index: int, pos: int) -> Any:
+        def before_backward(grad: torch.Tensor) -> None:
+            self._before_backward(index, pos)
+
+        return before_backward
+
+    def _before_backward(self, index: int, pos: int) -> None:
+        """Unit `index` is about to be gathered for backward, and FSDP2 prefetches the unit whose forward
+        finished just before it: both must be resident; the ones before those are read ahead."""
+        self._in_backward = True
+        self.fetch(index)
+        if pos > 0:
+            self.fetch(self._post_forward[pos - 1])
+        if self.buffer_count <= 0:
+            return
+        for j in reversed(self._post_forward[:max(0, pos - 1)]):
+            if len(self._reads) >= self.buffer_count:
+                break
+            unit = self.units[j]
+            if not unit.resident and j not in self._reads:
+                self._reads[j] = self._reader.submit(self._read, j)
+
+    def _release(self, unit: _Unit) -> None:
+        storages = _unit_storages(unit)
+        for s in storages:
+            s.resize_(0)
+        unit.storages = storages
+        unit.resident = False
 
     def _read(self, index: int) -> None:
         unit = self.units[index]
@@ -250,10 +326,7 @@ class NvmeParamOffload:
                                                                 zip(storages, layout, strict=True)], size=offset)
                 unit.layout = layout
                 unit.dirty = False
-            for s in storages:
-                s.resize_(0)
-            unit.storages = storages
-            unit.resident = False
+            self._release(unit)
 
     def close(self) -> None:
         self.drain()

@@ -14,7 +14,8 @@ STEPS, SAVE_AT = 5, 2
 HIDDEN = 9  # odd: the shards of every block are uneven at 2 ranks (FSDP2 pads them)
 
 
-def config(*, params: str | None = None, optimizer: str | None = None, bf16: bool = False) -> dict:
+def config(*, params: str | None = None, optimizer: str | None = None, bf16: bool = False, ckpt: bool = False,
+           gas: int = 1) -> dict:
     zero: dict = {"stage": 3}
     if params is not None:
         zero["offload_param"] = {"device": "nvme", "nvme_path": params, "buffer_count": 2, "buffer_size": 200,
@@ -33,6 +34,9 @@ def config(*, params: str | None = None, optimizer: str | None = None, bf16: boo
     }
     if bf16:
         out["bf16"] = {"enabled": True}
+    if ckpt:
+        out["deepfleet_activation_checkpointing"] = {"mode": "blocks"}
+    out["gradient_accumulation_steps"] = gas
     return out
 
 
@@ -146,24 +150,39 @@ def _outside_forward(eng, base) -> dict:
     out["written_by_eval"] = off.bytes_written - written
     out["total_elements"] = sum(u.elements for u in off.units)
     out["unit_elements"] = [u.elements for u in off.units]
+    # a training micro-step: each block's shards leave memory as its forward ends and come back for its
+    # backward; the root's stay (FSDP2 keeps the root gathered through backward)
+    loss = eng(x, y)
+    out["resident_after_forward"] = off.resident_elements()
+    eng.backward(loss)
+    out["resident_after_backward"] = off.resident_elements()
+    grads = {n: p.grad.full_tensor() for n, p in eng.module.named_parameters()}
+    base_loss = base(x, y)
+    base.backward(base_loss)
+    ref = {n: p.grad.full_tensor() for n, p in base.module.named_parameters()}
+    out["grad_diff"] = max(float((grads[n] - ref[n]).abs().max()) for n in ref)
     return out
 
 
 def losses_run(rank: int, world_size: int, root: str) -> dict:
     base = engine(config())
     out: dict = {"base": train(base, range(STEPS)),
-                 "base_bf16": train(engine(config(bf16=True)), range(STEPS))}
-    for name, kw in (("param", {}), ("both", {"optimizer": True}), ("param_bf16", {"bf16": True})):
+                 "base_bf16": train(engine(config(bf16=True)), range(STEPS)),
+                 "base_gas": train(engine(config(gas=2)), range(2 * STEPS))}
+    variants = (("param", {}), ("both", {"optimizer": True}), ("param_bf16", {"bf16": True}),
+                ("param_ckpt", {"ckpt": True}), ("param_gas", {"gas": 2}))
+    for name, kw in variants:
         pdir, odir = Path(root) / f"{name}-p", Path(root) / f"{name}-o"
         os.makedirs(pdir, exist_ok=True)
         os.makedirs(odir, exist_ok=True)
         eng = engine(config(params=str(pdir), optimizer=str(odir) if kw.get("optimizer") else None,
-                            bf16=kw.get("bf16", False)))
+                            bf16=kw.get("bf16", False), ckpt=kw.get("ckpt", False), gas=kw.get("gas", 1)))
+        per_step = kw.get("gas", 1)  # micro-steps per optimizer step
         before = {"files": sorted(p.name for p in eng.sharding.param_offload.directory.iterdir()),
                   "storage_bytes": _storage_bytes(eng)}
         losses, after = [], []
         for s in range(STEPS):
-            losses += train(eng, range(s, s + 1))
+            losses += train(eng, range(per_step * s, per_step * (s + 1)))
             after.append(_released(eng))
         off = eng.sharding.param_offload
         out[name] = {"losses": losses, "before": before, "after": after, "read": off.bytes_read,

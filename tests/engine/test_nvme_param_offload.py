@@ -32,14 +32,19 @@ def resumes(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def _close(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == STEPS or len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize(("name", "base"), [("param", "base"), ("both", "base"), ("param_bf16", "base_bf16")])
+VARIANTS = [("param", "base"), ("both", "base"), ("param_bf16", "base_bf16"), ("param_ckpt", "base"),
+            ("param_gas", "base_gas")]
+
+
+@pytest.mark.parametrize(("name", "base"), VARIANTS)
 def test_param_offload_trains_like_no_offload(runs: list[dict], name: str, base: str) -> None:
+    """Alone, with the optimizer offload, under bf16, with activation checkpointing of the blocks (their
+    recomputation inside backward) and with 2 micro-steps per optimizer step."""
     for r in runs:
-        assert len(r[name]["losses"]) == STEPS
+        assert len(r[name]["losses"]) == len(r[base]) >= STEPS
         assert _close(r[name]["losses"], r[base]) <= 1e-6, (r[name]["losses"], r[base])
         assert r[name]["order"] == [0, 1, 2, 3]  # root, then the three blocks, as forward reaches them
         assert r[name]["written"] > 0 and r[name]["read"] > 0
@@ -52,7 +57,7 @@ def test_param_offload_composes_with_optimizer_offload(runs: list[dict]) -> None
         assert r["both"]["after"][-1]["storage_bytes"] == [0] * len(r["both"]["after"][-1]["storage_bytes"])
 
 
-@pytest.mark.parametrize("name", ["param", "both", "param_bf16"])
+@pytest.mark.parametrize("name", [v for v, _ in VARIANTS])
 def test_shards_are_released_after_each_step_and_files_hold_them(runs: list[dict], name: str) -> None:
     for r in runs:
         before = r[name]["before"]
@@ -73,8 +78,18 @@ def test_reads_outside_forward_find_the_shards_in_memory(runs: list[dict]) -> No
         assert o["state_dict_diff"] <= 1e-6 and o["gathered_diff"] <= 1e-6 and o["eval_diff"] <= 1e-6, o
         assert o["released_after_state_dict"] == 0  # zero_grad() released them again
         assert o["written_after_gathered"] > 0  # GatheredParameters may have changed the shard: written back
-        assert o["resident_after_eval"] == o["total_elements"] and o["resident_after_zero_grad"] == 0
-        assert o["written_by_eval"] == 0  # unchanged shards are released without a write
+        # an evaluation forward reads each unit back and releases it as its forward ends (the root's stay
+        # until the next zero_grad()); unchanged shards are released without a write
+        assert o["resident_after_eval"] == o["unit_elements"][0] and o["resident_after_zero_grad"] == 0
+        assert o["written_by_eval"] == 0
+
+
+def test_blocks_leave_memory_between_their_forward_and_their_backward(runs: list[dict]) -> None:
+    for r in runs:
+        o = r["param"]["outside"]
+        assert o["resident_after_forward"] == o["unit_elements"][0]  # only the root unit at the end of forward
+        assert o["resident_after_backward"] == o["total_elements"]  # backward read every block back
+        assert o["grad_diff"] <= 1e-6
 
 
 def test_max_in_cpu_keeps_the_units_that_fit_in_memory(runs: list[dict]) -> None:
