@@ -13,8 +13,9 @@ the one it prefetches, and the unsharded gradients of a unit while it reduce-sca
 come from `profile.py`'s measured profile. Offloaded state moves from the device to its tier (cpu, or
 nvme: optimizer state with `buffer_count` chunk buffers in host memory; stage-3 parameter shards, with
 their fp32 masters, less the `max_in_cpu` elements kept in host memory). On the CPU path, where the
-device is host memory, NVMe parameter offload frees the shards between steps; they come back for the
-step itself, so there the step's high-water mark still holds them.
+device is host memory, NVMe parameter offload frees the blocks' shards from the end of each block's
+forward to its backward and between steps; backward brings them back for the gradient reduction and the
+optimizer step, so there the reduction phase still holds them.
 
 Step-time factors are relative to plain data parallelism on the same model: `recompute` (checkpointed
 blocks run their forward twice; a forward is about a third of a step's arithmetic and a block's share

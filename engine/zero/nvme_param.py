@@ -9,23 +9,30 @@ and their bytes live in one file per FSDP unit (a transformer block, the expert 
 `nvme_path/deepfleet-params/<job>-rank<r>/`. The tensors themselves stay the same objects, so FSDP2,
 the optimizer and its state keep pointing at them.
 
-When they come back: a forward pre-hook on every FSDP unit, registered ahead of FSDP2's own (which
-all-gathers the unit), reads the unit's file back into its storages before FSDP2 reads them, and queues
-the next units in forward order (recorded on the first forward) on a background read-ahead thread: at
-most `buffer_count` units in flight and, past the first, at most `buffer_count * buffer_size` elements
-(`buffer_count: 0` reads each unit only when forward reaches it). Reads land in the storages themselves:
-no staging copies. The shards then stay in memory through backward (FSDP2 gathers them again there) and
-the optimizer step (which updates them), and `zero_grad()` at the end of the step writes the stepped ones
-back and releases them. Nothing is released before the first forward: FSDP2's lazy init then re-pads the
-shards from their storages, so a new engine (or one just loaded from a checkpoint) holds its shards in
-memory until its first step ends. A forward without a step (evaluation) reads the units back and the next
-`zero_grad()` releases them again without a write (the files still hold those bytes). Units are kept in
-memory, never written, in module order while their elements fit in `max_in_cpu` (DeepSpeed's "parameter
-elements kept in host memory"; its default of 1e9 keeps models up to that size wholly in memory, so set
-it lower to offload). Per-unit release between a unit's forward and its backward is not done: the
-savings are between steps, which is where a step-bound ZeRO-Infinity run spends none of its time but
-where the host memory of the shards is needed by everything else (evaluation, checkpoint staging, the
-optimizer state's own NVMe buffers).
+When they are in memory, per FSDP unit:
+- forward: a forward pre-hook on every unit, registered ahead of FSDP2's own (which all-gathers the
+  unit), reads the unit's file back into its storages, and queues the next units in forward order
+  (recorded on the first forward) on a background read-ahead thread: at most `buffer_count` units in
+  flight and, past the first, at most `buffer_count * buffer_size` elements (`buffer_count: 0` reads each
+  unit only when forward reaches it). Reads land in the storages themselves: no staging copies.
+- between a unit's forward and its backward: a forward hook, also ahead of FSDP2's, releases the unit
+  again (no write: its file already holds those bytes) and puts a hook on the unit's outputs that runs
+  before FSDP2's pre-backward hook there. It reads back the unit and the one FSDP2 prefetches next (the
+  unit whose forward finished just before), and queues the ones before those. The root unit stays: FSDP2
+  keeps the root gathered from forward through backward. A unit whose outputs carry no gradient-requiring
+  tensor keeps its shards (nothing would read them back in time). Activation checkpointing's
+  recomputation inside backward releases nothing.
+- the optimizer step updates every shard in memory (backward brought them all back), and `zero_grad()`
+  at the end of the step writes the stepped units and releases them.
+Nothing is released before the first step ends (FSDP2's lazy init re-pads the shards from their
+storages in the first forward; and there is no file to read back from before the first write), so a new
+engine, or one just loaded from a checkpoint, holds its shards in memory through its first step. An
+evaluation forward reads each unit back and releases it as its forward ends. Units are kept in memory,
+never written, in module order while their elements fit in `max_in_cpu` (DeepSpeed's "parameter elements
+kept in host memory"; its default of 1e9 keeps models up to that size wholly in memory, so set it lower to
+offload). Reads outside forward (`module.state_dict()`, `load_state_dict`, torch's state-dict helpers,
+`deepspeed.zero.GatheredParameters`) page the shards in first; they are released at the end of the next
+step.
 
 Precision: at stage 3 the fp32 shards are the master weights (FSDP2's mixed-precision policy casts each
 all-gather to the compute dtype), so there are no separate masters and the files hold the fp32 masters.
