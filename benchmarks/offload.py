@@ -142,14 +142,24 @@ def bench_param_nvme(args: argparse.Namespace) -> None:
         params = sum(p.numel() for p in engines["none"].sharding.module.parameters())
         off = engines["param"].sharding.param_offload
         steps = args.rounds + 1
+        read_mib = off.bytes_read / (steps - 1) / 2**20  # round 0 reads nothing back
+        written_mib = off.bytes_written / steps / 2**20
+        # shard bytes in memory at the end of forward, where activations peak (all of them without offload)
+        e = engines["param"]
+        loss = e(batch)
+        at_forward_end = off.resident_elements() * 4
+        e.backward(loss)
+        e.zero_grad()
         print(json.dumps({
             "bench": "offload_param_nvme_step", "model": f"gpt d{d_model} L{layers}", "params": params, "stage": 3,
             "world_size": 1, "threads": torch.get_num_threads(), "step_s": {m: round(v, 4) for m, v in med.items()},
             "slowdown_vs_none": {m: round(v / med["none"], 3) for m, v in med.items()},
             "param_files_mib": round(off.file_bytes() / 2**20, 1),
             "resident_param_elements_between_steps": off.resident_elements(),
-            "param_mib_read_per_step": round(off.bytes_read / (steps - 1) / 2**20, 1),
-            "param_mib_written_per_step": round(off.bytes_written / steps / 2**20, 1),
+            "param_mib_in_memory_at_forward_end": {"none": round(params * 4 / 2**20, 1),
+                                                   "param": round(at_forward_end / 2**20, 1)},
+            "param_mib_read_per_step": round(read_mib, 1),
+            "param_mib_written_per_step": round(written_mib, 1),
             "max_loss_diff_vs_none": max(abs(a - b) for m in modes for a, b in zip(losses[m], losses["none"],
                                                                                    strict=True)),
         }), flush=True)
