@@ -46,8 +46,8 @@ class OffloadParamConfig(ConfigSection):
     nvme_path: str | None = None
     """Directory for NVMe offload (device `nvme`): shard files go to `deepfleet-params/<job>-rank<r>/` under it."""
     buffer_count: Int = Field(5, ge=0)
-    """FSDP units read ahead at once as forward proceeds (device `nvme`); 0 reads each unit only when
-    forward reaches it."""
+    """FSDP units read ahead at once as forward and backward proceed (device `nvme`); 0 reads each unit
+    only when forward or backward reaches it."""
     buffer_size: Int = Field(100_000_000, ge=0)
     """Elements per read-ahead buffer (device `nvme`): past the first unit, the read-ahead holds at most
     `buffer_count * buffer_size` elements in flight."""
