@@ -90,15 +90,14 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    """The tensors inside a module's output (nested tuples, lists, dicts, dataclass-like objects)."""
+    """The tensors inside a module's output: nested tuples, lists and dicts (Hugging Face's ModelOutput
+    is a dict). Anything else yields none, and its unit then keeps its shards through backward."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (tuple, list)):
         return [t for v in x for t in _tensors(v)]
     if isinstance(x, dict):
         return [t for v in x.values() for t in _tensors(v)]
-    if hasattr(x, "__dict__") and not isinstance(x, nn.Module):  # ModelOutput-style containers
-        return [t for v in vars(x).values() for t in _tensors(v)]
     return []
 
 
@@ -203,7 +202,7 @@ class NvmeParamOffload:
     def _before_forward(self, index: int) -> None:
         if self.units[index].module is self._root:  # a new forward (not a recomputation inside backward)
             self._in_backward = False
-            self._post_forward.clear()
+            self._post_forward = []  # a new list: hooks of an earlier forward keep theirs
         if self._recording and index not in self._position:
             self._position[index] = len(self.order)
             self.order.append(index)
@@ -240,35 +239,36 @@ class NvmeParamOffload:
         gathered, nor persistent ones), and hook the outputs to read them back before backward needs them."""
         if self._in_backward:  # activation checkpointing's recomputation: the backward hooks are in place
             return
-        pos = len(self._post_forward)
-        self._post_forward.append(index)
+        order, pos = self._post_forward, len(self._post_forward)
+        order.append(index)
         unit = self.units[index]
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
             for t in tensors:
-                t.register_hook(self._backward_hook(index, pos))
+                t.register_hook(self._backward_hook(index, order, pos))
             if not tensors:  # nothing to hook: keep the shards for whatever backward does
                 return
         if unit.module is self._root or unit.persistent or unit.dirty or not unit.layout or not unit.resident:
             return
         self._release(unit)
 
-    def _backward_hook(self, index: int, pos: int) -> Any:
+    def _backward_hook(self, index: int, order: list[int], pos: int) -> Any:
         def before_backward(grad: torch.Tensor) -> None:
-            self._before_backward(index, pos)
+            self._before_backward(index, order, pos)
 
         return before_backward
 
-    def _before_backward(self, index: int, pos: int) -> None:
+    def _before_backward(self, index: int, order: list[int], pos: int) -> None:
         """Unit `index` is about to be gathered for backward, and FSDP2 prefetches the unit whose forward
-        finished just before it: both must be resident; the ones before those are read ahead."""
+        finished just before it (`order`: that forward's units as they finished; `pos`: this one's place):
+        both must be resident; the ones before those are read ahead."""
         self._in_backward = True
         self.fetch(index)
         if pos > 0:
-            self.fetch(self._post_forward[pos - 1])
+            self.fetch(order[pos - 1])
         if self.buffer_count <= 0:
             return
-        for j in reversed(self._post_forward[:max(0, pos - 1)]):
+        for j in reversed(order[:max(0, pos - 1)]):
             if len(self._reads) >= self.buffer_count:
                 break
             unit = self.units[j]
