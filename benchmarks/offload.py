@@ -1,6 +1,8 @@
 """Offload benchmarks on the CPU: (1) training step time of the peer GPT (examples/gpt) at ZeRO stage 2
 with the optimizer state offloaded to files (`offload_optimizer.device: nvme`, with and without the
-read-ahead/background writes) vs no offload; (2) the CPU Adam step: torch's fused and foreach AdamW,
+read-ahead/background writes) vs no offload; (1b) the same at stage 3 with the parameter shards offloaded
+to files (`offload_param.device: nvme`, alone and with the optimizer offload) vs no offload; (2) the CPU
+Adam step: torch's fused and foreach AdamW,
 deepfleet's `DeepSpeedCPUAdam` (engine/compat/adam.py) and DeepSpeed 0.19.8's `DeepSpeedCPUAdam` (its
 JIT-built cpu_adam op, run in the DeepSpeed virtual environment when there is one).
 
@@ -88,6 +90,81 @@ def bench_nvme(args: argparse.Namespace) -> None:
         }), flush=True)
 
 
+def _stage3_engine(mode: str, nvme_dir: str, d_model: int, layers: int):
+    import deepfleet.engine as deepfleet
+    from examples.gpt.model import GPTConfig, GPTWithLoss
+
+    zero: dict = {"stage": 3}
+    path = str(Path(nvme_dir) / f"s3-{mode}")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    if mode != "none":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": path, "buffer_count": 2, "max_in_cpu": 0}
+    if mode == "param+optimizer":
+        zero["sub_group_size"] = 1_000_000
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "buffer_count": 4,
+                                     "pipeline_read": True, "pipeline_write": True}
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+           "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1}}
+    torch.manual_seed(0)
+    model = GPTWithLoss(GPTConfig(vocab_size=8192, seq_len=64, d_model=d_model, n_heads=4, n_layers=layers))
+    engine, *_ = deepfleet.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def bench_param_nvme(args: argparse.Namespace) -> None:
+    """Stage 3 (FSDP2, one rank): step time with the parameter shards in files between steps."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    modes = ("none", "param", "param+optimizer")
+    d_model, layers = (256, 2) if args.quick else (512, 4)
+    with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
+        engines = {m: _stage3_engine(m, tmp, d_model, layers) for m in modes}
+        g = torch.Generator().manual_seed(1)
+        batch = {"input_ids": torch.randint(0, 8192, (8, 64), generator=g)}
+        batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        losses: dict[str, list[float]] = {m: [] for m in modes}
+        for r in range(args.rounds + 1):
+            for m, e in engines.items():
+                start = time.perf_counter()
+                loss = e(batch)
+                e.backward(loss)
+                e.step()
+                if m == "param+optimizer":
+                    e.sharding.offload.wait()
+                if r:  # round 0 creates the optimizer state and the first files
+                    times[m].append(time.perf_counter() - start)
+                losses[m].append(float(loss.detach()))
+        med = {m: statistics.median(v) for m, v in times.items()}
+        params = sum(p.numel() for p in engines["none"].sharding.module.parameters())
+        off = engines["param"].sharding.param_offload
+        steps = args.rounds + 1
+        read_mib = off.bytes_read / (steps - 1) / 2**20  # round 0 reads nothing back
+        written_mib = off.bytes_written / steps / 2**20
+        # shard bytes in memory at the end of forward, where activations peak (all of them without offload)
+        e = engines["param"]
+        loss = e(batch)
+        at_forward_end = off.resident_elements() * 4
+        e.backward(loss)
+        e.zero_grad()
+        print(json.dumps({
+            "bench": "offload_param_nvme_step", "model": f"gpt d{d_model} L{layers}", "params": params, "stage": 3,
+            "world_size": 1, "threads": torch.get_num_threads(), "step_s": {m: round(v, 4) for m, v in med.items()},
+            "slowdown_vs_none": {m: round(v / med["none"], 3) for m, v in med.items()},
+            "param_files_mib": round(off.file_bytes() / 2**20, 1),
+            "resident_param_elements_between_steps": off.resident_elements(),
+            "param_mib_in_memory_at_forward_end": {"none": round(params * 4 / 2**20, 1),
+                                                   "param": round(at_forward_end / 2**20, 1)},
+            "param_mib_read_per_step": round(read_mib, 1),
+            "param_mib_written_per_step": round(written_mib, 1),
+            "max_loss_diff_vs_none": max(abs(a - b) for m in modes for a, b in zip(losses[m], losses["none"],
+                                                                                   strict=True)),
+        }), flush=True)
+
+
 def _ds_cpu_adam(shapes: list[tuple[int, ...]], rounds: int) -> dict:
     """DeepSpeed's DeepSpeedCPUAdam step time, measured in the DeepSpeed venv (None with the reason if not)."""
     if not DS_PYTHON.exists():
@@ -160,12 +237,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smaller GPT, few rounds")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--nvme-dir", default=None, help="directory for the offload files (default: the temp dir)")
-    ap.add_argument("--only", choices=("nvme", "cpu_adam"), default=None)
+    ap.add_argument("--only", choices=("nvme", "param_nvme", "cpu_adam"), default=None)
     args = ap.parse_args()
     if args.rounds is None:
         args.rounds = 3 if args.quick else 7
     if args.only in (None, "nvme"):
         bench_nvme(args)
+    if args.only in (None, "param_nvme"):
+        bench_param_nvme(args)
     if args.only in (None, "cpu_adam"):
         bench_cpu_adam(args)
 

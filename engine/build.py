@@ -33,6 +33,8 @@ from deepfleet.engine.profiling.step_flops import StepFlops
 from deepfleet.engine.progress import ProgressLog
 from deepfleet.engine.zero.base import StrategyFactory, ZeroStrategy
 from deepfleet.engine.zero.nvme import check_before_build, offload_strategy
+from deepfleet.engine.zero.nvme_param import check_before_build as check_param_path
+from deepfleet.engine.zero.nvme_param import param_offload_strategy
 
 # zero_optimization.stage -> the strategy class ("module:Class"), imported only when used.
 STRATEGIES: dict[int, str] = {
@@ -122,8 +124,11 @@ def build_training(
     #    over the model's parameters, and the strategy is told about it (state accounting, save/load).
     opt = _optimizer(optimizer, sharding.optimizer_param_groups(groups), config)
     sharding.bind_optimizer(opt)
-    #    NVMe offload keeps the optimizer's state in files between steps (engine/zero/nvme.py).
+    #    NVMe offload keeps the optimizer's state in files between steps (engine/zero/nvme.py); the
+    #    stage-3 parameter offload wraps outside it (engine/zero/nvme_param.py), so a state dict pages
+    #    the shards in before the optimizer state is read back beside them.
     sharding = offload_strategy(sharding, opt, config, rank=comm.get_rank())
+    sharding = param_offload_strategy(sharding, config, rank=comm.get_rank())
 
     # 5. The LR schedule after the optimizer: it records the optimizer's initial learning rates.
     scheduler = _lr_scheduler(lr_scheduler, opt, config)
@@ -200,13 +205,17 @@ def _check_one_source(key: str, configured: Any, given: Any) -> None:
 
 def _check_offload(model: nn.Module, zero_config: Any) -> None:
     """Offloading model states to the CPU is a no-op when training already runs on the CPU (every state
-    lives in host memory); NVMe offload of the optimizer state moves it to files (engine/zero/nvme.py).
+    lives in host memory); NVMe offload moves the optimizer state (engine/zero/nvme.py) and the stage-3
+    parameter shards (engine/zero/nvme_param.py) to files.
     On an accelerator both are not implemented yet, and are refused by name rather than silently keeping
     the states on the device."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     optim = getattr(zero_config, "offload_optimizer", None)
     if optim is not None and optim.device == "nvme" and device.type == "cpu":
         check_before_build(optim, model, comm.get_world_size())
+    param = getattr(zero_config, "offload_param", None)
+    if param is not None and param.device == "nvme" and device.type == "cpu":
+        check_param_path(param, model, comm.get_world_size())
     for key in ("offload_optimizer", "offload_param"):
         section = getattr(zero_config, key, None)
         if section is not None and section.device in ("cpu", "nvme") and device.type != "cpu":

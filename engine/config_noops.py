@@ -78,7 +78,8 @@ NO_OPS: dict[str, NoOp] = {
         "chunk by chunk and writes it out (never whole in memory), which is that fast start."
     ),
     "zero_optimization.offload_param.pin_memory": NoOp(
-        "As offload_optimizer.pin_memory: parameter offload is accepted only when training on the CPU."
+        "As offload_optimizer.pin_memory: parameter offload (CPU, or NVMe at stage 3) is accepted only when "
+        "training on the CPU."
     ),
     # zero_optimization, stage 3: FSDP2 (zero/fsdp.py) fetches and frees per wrapped block
     "zero_optimization.stage3_prefetch_bucket_size": NoOp(

@@ -35,21 +35,25 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
 class OffloadParamConfig(ConfigSection):
-    """`zero_optimization.offload_param`: keep stage-3 parameter shards in host memory between uses."""
+    """`zero_optimization.offload_param`: keep stage-3 parameter shards off the device between uses."""
 
     device: OffloadDevice = "none"
-    """Where parameter shards live: `none` (accelerator), `cpu`. `nvme` is not supported yet (FSDP2 owns
-    the stage-3 shards between uses; swapping them to files is not built)."""
+    """Where parameter shards live: `none` (accelerator), `cpu` (host memory: a no-op when training
+    already runs on the CPU), `nvme` (files under `nvme_path` between optimizer steps,
+    engine/zero/nvme_param.py)."""
     pin_memory: Bool = True
     """Page-locked host buffers (faster host<->device copies, uses locked memory); DeepSpeed's default."""
     nvme_path: str | None = None
-    """Directory for NVMe offload (only with device `nvme`, not supported yet)."""
+    """Directory for NVMe offload (device `nvme`): shard files go to `deepfleet-params/<job>-rank<r>/` under it."""
     buffer_count: Int = Field(5, ge=0)
-    """NVMe buffer pool size (only with device `nvme`)."""
+    """FSDP units read ahead at once as forward and backward proceed (device `nvme`); 0 reads each unit
+    only when forward or backward reaches it."""
     buffer_size: Int = Field(100_000_000, ge=0)
-    """Elements per NVMe buffer (only with device `nvme`)."""
+    """Elements per read-ahead buffer (device `nvme`): past the first unit, the read-ahead holds at most
+    `buffer_count * buffer_size` elements in flight."""
     max_in_cpu: Int = Field(1_000_000_000, ge=0)
-    """Parameter elements kept in host memory under NVMe offload (only with device `nvme`)."""
+    """Parameter elements kept in host memory under NVMe offload (device `nvme`): FSDP units, in module
+    order, stay resident while their shards fit; the default keeps models up to 1e9 elements whole."""
 
 
 class OffloadOptimizerConfig(ConfigSection):
@@ -207,9 +211,6 @@ class ZeroConfig(ConfigSection):
         for name, section in (("offload_param", self.offload_param), ("offload_optimizer", self.offload_optimizer)):
             if section is None:
                 continue
-            if name == "offload_param" and section.device == "nvme":
-                problems.append("offload_param.device: nvme is not supported yet (FSDP2 holds stage-3 parameter "
-                                "shards between uses); use \"cpu\" or \"none\"")
             if section.device == "nvme":
                 continue
             for key, default in _NVME_ONLY[name].items():

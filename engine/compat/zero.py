@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from deepfleet.engine import comm
 from deepfleet.engine.zero import construction
+from deepfleet.engine.zero.nvme_param import fetch_for_update
 
 _MODULES: list[weakref.ref] = []  # the user modules of engines built in this process
 
@@ -164,6 +165,7 @@ class GatheredParameters(contextlib.ContextDecorator):
                 construction.make_whole(p)
                 self._whole.append(p)
             elif isinstance(p, DTensor):
+                fetch_for_update(p)  # a shard kept in NVMe files between steps is read back first
                 owners = _owners(p)
                 full = nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
                 for module, name in owners:

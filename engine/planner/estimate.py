@@ -10,8 +10,12 @@ measures): parameters, gradients, optimizer state and fp32 masters (16-bit train
 or divided by the data-parallel size as ZeRO's stage says, plus the transient buffers a stage builds
 (stages 1/2: one reduce bucket of `reduce_bucket_size` elements; stage 3: FSDP2's gathered unit and
 the one it prefetches, and the unsharded gradients of a unit while it reduce-scatters). Activations
-come from `profile.py`'s measured profile. Offloaded state moves from the device to its tier
-(cpu, or nvme with `buffer_count` x `buffer_size` staging buffers in host memory).
+come from `profile.py`'s measured profile. Offloaded state moves from the device to its tier (cpu, or
+nvme: optimizer state with `buffer_count` chunk buffers in host memory; stage-3 parameter shards, with
+their fp32 masters, less the `max_in_cpu` elements kept in host memory). On the CPU path, where the
+device is host memory, NVMe parameter offload frees the blocks' shards from the end of each block's
+forward to its backward and between steps; backward brings them back for the gradient reduction and the
+optimizer step, so there the reduction phase still holds them.
 
 Step-time factors are relative to plain data parallelism on the same model: `recompute` (checkpointed
 blocks run their forward twice; a forward is about a third of a step's arithmetic and a block's share
@@ -178,12 +182,20 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
             offloaded["cpu"] += _nvme_buffers(config, "offload_optimizer", chunk_bytes=chunk)
             nvme_bytes += 2 * moved  # read and write back every optimizer state byte per step
     if choice.offload_param != "none" and stage == 3:
-        offloaded[choice.offload_param] += params
         host_bytes += 2 * params  # shards fetched for forward and again for backward
         if choice.offload_param == "nvme":
-            size = getattr(zero.offload_param, "buffer_size", 100_000_000) or 0
-            offloaded["cpu"] += _nvme_buffers(config, "offload_param", chunk_bytes=size * elem)
-            nvme_bytes += 2 * params
+            # engine/zero/nvme_param.py: the files hold FSDP2's fp32 shards, which at stage 3 are the
+            # master weights, so 16-bit masters move with them (unless the optimizer offload took them);
+            # `max_in_cpu` shard elements stay in host memory; reads land in the shards themselves (no
+            # staging buffers); each step reads every offloaded shard back and writes it out again.
+            files = shard((p + frozen) * 4)  # the fp32 shards, whatever the compute dtype
+            kept = min(1.0, _max_in_cpu(config) / max(1.0, shard(p + frozen)))
+            offloaded["cpu"] += kept * files
+            offloaded["nvme"] += (1.0 - kept) * files
+            nvme_bytes += 2 * (1.0 - kept) * files
+            master = 0.0
+        else:
+            offloaded[choice.offload_param] += params
         params = 0.0
 
     act_scale = elem / 4 if profile.param_bytes == 4 * profile.num_params else 1.0
@@ -205,6 +217,16 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
                     offloaded={k: v for k, v in offloaded.items() if v}, recompute=recompute,
                     comm_volume=3.0 if stage == 3 else 2.0, host_transfer_bytes=host_bytes,
                     nvme_transfer_bytes=nvme_bytes, total=max(backward_peak, reduction_peak), peak_phase=phase)
+
+
+def _max_in_cpu(config: DeepFleetConfig) -> float:
+    """Parameter elements NVMe parameter offload keeps in host memory: the config's `max_in_cpu` when it
+    offloads parameters to NVMe itself; 0 for a candidate choice (the planner asks what offloading them
+    would move)."""
+    sec = config.zero_optimization.offload_param
+    if sec is None or sec.device != "nvme":
+        return 0.0
+    return float(sec.max_in_cpu)
 
 
 def _nvme_buffers(config: DeepFleetConfig, section: str, *, chunk_bytes: float) -> float:

@@ -10,11 +10,8 @@ buffer), and writes the chunk back. With `pipeline_read` the next chunk is read 
 while the current one steps; with `pipeline_write` a chunk's write runs in the background and its buffer
 returns to the pool when the write completes (DeepSpeed's meanings). Scalars (`step`) stay in memory.
 
-Why hand-written: torch has no asynchronous file tier for tensors (`torch.save`/`from_file` are
-synchronous and whole-tensor), and DeepSpeed's async-I/O op is a C++ extension we do not build on. The
-I/O here is plain `os.pread`/`os.pwrite` on `aio.block_size` requests, `aio.thread_count` threads
-issuing a chunk's requests (`aio.queue_depth` in flight per thread; `single_submit` issues them one at
-a time; `overlap_events` submits a new request as each one completes, instead of batch by batch).
+The block I/O (`aio` keys), the atomic writes and the directory checks are `engine/zero/nvme_io.py`'s,
+shared with the stage-3 parameter offload (`engine/zero/nvme_param.py`).
 
 Safety: a chunk is written to `<name>.tmp`, fsynced and renamed over `<name>`, so a file that exists
 under its final name is always complete. Files are never trusted across engines: a new engine clears its
@@ -25,18 +22,18 @@ from the checkpoint, which is written out to fresh files at load. The directory 
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from deepfleet.engine.zero.nvme_io import BlockIO, aligned, clear_directory, job_name
+from deepfleet.engine.zero.nvme_io import check_nvme_path as _check_path
+
 _KEY = "zero_optimization.offload_optimizer.nvme_path"
-_ALIGN = 64
 
 
 @dataclass
@@ -50,10 +47,6 @@ class _Entry:
     offset: int  # byte offset in the chunk file
     nbytes: int
     spec: Any  # (device_mesh, placements, global shape, global stride) for a DTensor, else None
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _view(buf: bytearray, e: _Entry) -> torch.Tensor:
@@ -80,23 +73,8 @@ def _per_element(value: Any, tensor: torch.Tensor) -> bool:
 
 
 def check_nvme_path(path: str | None, needed_bytes: int) -> Path:
-    """The offload directory, or a one-line ValueError naming the key and the fix."""
-    if not path:
-        raise ValueError(f"{_KEY}: required with device \"nvme\"; set it to a writable directory on a fast disk")
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{_KEY}: {path} does not exist; create the directory or point nvme_path at one")
-    if not p.is_dir():
-        raise ValueError(f"{_KEY}: {path} is not a directory; point nvme_path at a directory")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"{_KEY}: {path} is not writable by this process; fix its permissions or use another directory")
-    free = shutil.disk_usage(p).free
-    if free < needed_bytes:
-        raise ValueError(
-            f"{_KEY}: {path} has {free / 2**20:.1f} MiB free but the optimizer state needs "
-            f"{needed_bytes / 2**20:.1f} MiB; free space there or point nvme_path at a larger disk"
-        )
-    return p
+    """The optimizer offload directory, or a one-line ValueError naming the key and the fix."""
+    return _check_path(path, needed_bytes, key=_KEY, what="the optimizer state")
 
 
 def check_before_build(section: Any, model: torch.nn.Module, world_size: int) -> None:
@@ -170,15 +148,10 @@ class NvmeOptimizerOffload:
         self.optimizer = optimizer
         self.directory = directory
         self.chunk_elements = max(1, chunk_elements)
-        self.block = max(4096, int(aio.block_size))
-        self.queue_depth = max(1, int(aio.queue_depth))
-        self.single_submit = bool(aio.single_submit)
-        self.overlap_events = bool(aio.overlap_events)
-        self._threads = max(1, int(aio.thread_count))
+        self.io = BlockIO(aio, key=_KEY)
         self.pipeline_read = bool(section.pipeline_read)
         self.pipeline_write = bool(section.pipeline_write)
         self.buffers = _Buffers(int(section.buffer_count))
-        self._io = ThreadPoolExecutor(self._threads, thread_name_prefix="nvme-io")
         self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="nvme-prefetch")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
         self.tensors = [t for g in optimizer.param_groups for t in g["params"]]
@@ -188,12 +161,15 @@ class NvmeOptimizerOffload:
         self._writes: dict[int, Future] = {}
         self.resident = False
         self._step = _install_step(optimizer, self)
-        self.bytes_read = 0
-        self.bytes_written = 0
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.iterdir():  # never trusted: a new engine's state comes from memory or a checkpoint
-            if stale.is_file():
-                stale.unlink()
+        clear_directory(directory)  # never trusted: a new engine's state comes from memory or a checkpoint
+
+    @property
+    def bytes_read(self) -> int:
+        return self.io.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.io.bytes_written
 
     def _chunks(self) -> list[list[int]]:
         chunks: list[list[int]] = []
@@ -211,67 +187,19 @@ class NvmeOptimizerOffload:
     def _file(self, chunk: int) -> Path:
         return self.directory / f"chunk{chunk:05d}.bin"
 
-    # ------------------------------------------------------------------ block I/O
-
-    def _blocks(self, fd: int, view: memoryview, offset: int, write: bool) -> None:
-        """`view` to/from the file at `offset` in `aio.block_size` requests over the I/O threads."""
-        spans = [(o, min(self.block, len(view) - o)) for o in range(0, len(view), self.block)]
-
-        def run(o: int, n: int) -> None:
-            if write:
-                done = 0
-                while done < n:
-                    done += os.pwrite(fd, view[o + done:o + n], offset + o + done)
-            else:
-                got = os.preadv(fd, [view[o:o + n]], offset + o)
-                if got != n:
-                    raise OSError(f"{_KEY}: short read from an offload file ({got} of {n} bytes)")
-
-        if self.single_submit or len(spans) == 1:
-            for o, n in spans:
-                run(o, n)
-            return
-        window = self.queue_depth * self._threads
-        if self.overlap_events:  # a new request is submitted as soon as one completes
-            in_flight: set[Future] = set()
-            for o, n in spans:
-                if len(in_flight) >= window:
-                    done, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        f.result()
-                in_flight.add(self._io.submit(run, o, n))
-            for f in in_flight:
-                f.result()
-            return
-        for start in range(0, len(spans), window):  # submit a batch, wait for all of it, then the next
-            for f in [self._io.submit(run, o, n) for o, n in spans[start:start + window]]:
-                f.result()
+    # ------------------------------------------------------------------ files
 
     def _write_file(self, chunk: int, buf: bytearray, nbytes: int) -> None:
-        final = self._file(chunk)
-        tmp = final.with_name(final.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            self._blocks(fd, memoryview(buf)[:nbytes], 0, write=True)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)  # complete under its final name, or not there at all
-        self.bytes_written += nbytes
+        self.io.write_file(self._file(chunk), [(0, memoryview(buf)[:nbytes])])
 
     def _read_file(self, chunk: int) -> bytearray:
         entries = self.layout[chunk]
-        nbytes = _aligned(entries[-1].offset + entries[-1].nbytes)
+        nbytes = aligned(entries[-1].offset + entries[-1].nbytes)
         pending = self._writes.pop(chunk, None)
         if pending is not None:
             pending.result()
         buf = self.buffers.take(nbytes)
-        fd = os.open(self._file(chunk), os.O_RDONLY)
-        try:
-            self._blocks(fd, memoryview(buf)[:nbytes], 0, write=False)
-        finally:
-            os.close(fd)
-        self.bytes_read += nbytes
+        self.io.read_file(self._file(chunk), [(0, memoryview(buf)[:nbytes])])
         return buf
 
     # ------------------------------------------------------------------ state <-> buffers
@@ -320,7 +248,7 @@ class NvmeOptimizerOffload:
                     nbytes = local.numel() * local.element_size()
                     entries.append(_Entry(i, key, local.dtype, local.shape, offset, nbytes, spec))
                     sources.append(local)
-                    offset = _aligned(offset + nbytes)
+                    offset = aligned(offset + nbytes)
                 else:
                     kept[key] = v
             self.scalars[i] = kept
@@ -426,8 +354,9 @@ class NvmeOptimizerOffload:
 
     def close(self) -> None:
         self._drain()
-        for pool in (self._prefetch, self._writer, self._io):
+        for pool in (self._prefetch, self._writer):
             pool.shutdown(wait=True)
+        self.io.close()
 
 
 class OffloadedStrategy:
@@ -458,11 +387,7 @@ class OffloadedStrategy:
 
     def offloaded_optimizer_bytes(self) -> int:
         """Bytes of optimizer state in this rank's offload files."""
-        return sum(_aligned(e[-1].offset + e[-1].nbytes) for e in self.offload.layout.values() if e)
-
-
-def _job_name() -> str:
-    return os.environ.get("DEEPFLEET_JOB_ID") or os.environ.get("DEEPFLEET_JOB_NAME") or "local"
+        return sum(aligned(e[-1].offset + e[-1].nbytes) for e in self.offload.layout.values() if e)
 
 
 def offload_strategy(sharding: Any, optimizer: torch.optim.Optimizer, config: Any, *, rank: int) -> Any:
@@ -476,7 +401,7 @@ def offload_strategy(sharding: Any, optimizer: torch.optim.Optimizer, config: An
     itemsize = max((t.element_size() for t in tensors), default=4)
     # the exact need of this rank's shard (build_training checked the estimate before the strategy)
     root = check_nvme_path(section.nvme_path, elements * itemsize * _states_per_element(optimizer))
-    directory = root / "deepfleet-optimizer" / f"{_job_name()}-rank{rank}"
+    directory = root / "deepfleet-optimizer" / f"{job_name()}-rank{rank}"
     offload = NvmeOptimizerOffload(optimizer, section, config.aio, chunk_elements=zero.sub_group_size,
                                    directory=directory)
     return OffloadedStrategy(sharding, offload)

@@ -180,13 +180,15 @@ def test_not_supported_key_with_default_value_is_accepted_and_other_values_named
     ]
 
 
-def test_nvme_offload_is_not_supported_yet_and_offload_needs_the_right_stage() -> None:
-    errors = _errors({"train_batch_size": 2, "zero_optimization": {
-        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
-    assert errors == [
-        "zero_optimization.offload_param.device: nvme is not supported yet (FSDP2 holds stage-3 parameter "
-        'shards between uses); use "cpu" or "none"',
-    ]
+def test_nvme_offload_is_accepted_and_offload_needs_the_right_stage() -> None:
+    param = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 3, "buffer_size": 1000, "max_in_cpu": 0,
+        "pin_memory": True}}}).zero_optimization.offload_param
+    assert (param.device, param.nvme_path, param.buffer_count, param.buffer_size, param.max_in_cpu) == (
+        "nvme", "/local_nvme", 3, 1000, 0)
+    assert _errors({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu", "max_in_cpu": 10}}}) == [
+        'zero_optimization.offload_param.max_in_cpu: only read with device "nvme"; drop it or set device to "nvme"']
     assert _errors({"train_batch_size": 2, "zero_optimization": {
         "stage": 1, "offload_optimizer": {"device": "cpu", "nvme_path": "/local_nvme"}}}) == [
         'zero_optimization.offload_optimizer.nvme_path: only read with device "nvme"; drop it or set device to "nvme"']

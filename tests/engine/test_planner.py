@@ -91,6 +91,24 @@ def test_plan_covers_every_choice_and_offload_moves_bytes_to_its_tier() -> None:
     assert all(e["fits"] for e in result.to_dict()["estimates"])
 
 
+def test_nvme_parameter_offload_moves_the_fp32_shards_to_files_less_max_in_cpu() -> None:
+    prof = _profile("small")
+    shards = prof.num_params / 2 * 4  # this rank's fp32 shards at 2 ranks: what the unit files hold
+    base = engine_config(3) | {"bf16": {"enabled": True}}
+    off = Choice(stage=3, offload_param="nvme")
+    plain = estimate(prof, load_config(base, world_size=2), world_size=2, choice=Choice(stage=3))
+    # a candidate choice offloads every shard; 16-bit training's masters are those fp32 shards, so they go too
+    est = estimate(prof, load_config(base, world_size=2), world_size=2, choice=off)
+    assert est.offloaded["nvme"] == pytest.approx(shards) and "cpu" not in est.offloaded
+    assert est.params == 0 and est.master == 0 and plain.master > 0
+    assert est.nvme_transfer_bytes == pytest.approx(2 * shards)  # read back and written out every step
+    # the config's own max_in_cpu keeps that many shard elements in host memory
+    half = {**base, "zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": "/local_nvme", "max_in_cpu": int(prof.num_params / 4)}}}
+    kept = estimate(prof, load_config(half, world_size=2), world_size=2, choice=off)
+    assert kept.offloaded["nvme"] == pytest.approx(shards / 2) and kept.offloaded["cpu"] == pytest.approx(shards / 2)
+
+
 def test_cli_prints_the_plan_as_json_and_names_a_bad_factory() -> None:
     cmd = [sys.executable, "-m", "deepfleet.engine.planner.cli", json.dumps(engine_config(2)),
            "--model", "tests.engine.planner_runs:gpt", "--world-size", "2", "--json"]
