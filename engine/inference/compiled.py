@@ -78,6 +78,9 @@ class StaticDecodeStep:
     def __call__(self, tokens: Tensor, positions: Tensor, slots: list[int]) -> Tensor:
         """tokens, positions (batch, 1) of the running rows in cache slots `slots` -> logits (batch, vocab)."""
         n = row_bucket(max(slots) + 1, slots=self.cache.slots)  # slots go lowest first: usually n ~ batch
+        if len(slots) == n and slots == list(range(n)):  # the rows already are cache rows 0..n-1, in order
+            span = key_bucket(int(positions.max()) + 1, max_tokens=self.cache.max_tokens)
+            return self._full_step(tokens, positions, span)
         full_tokens = torch.zeros(n, 1, dtype=tokens.dtype, device=tokens.device)
         full_positions = torch.zeros(n, 1, dtype=positions.dtype, device=positions.device)
         index = torch.tensor(slots, device=tokens.device)
