@@ -284,12 +284,14 @@ def main() -> None:
     ap.add_argument("--max-d-model", type=int, default=4096)
     ap.add_argument("--techniques", default=",".join(TECHNIQUES), help="comma-separated subset")
     ap.add_argument("--no-deepspeed", action="store_true")
-    ap.add_argument("--deepspeed-runs", type=int, default=4, help="most DeepSpeed runs per technique")
+    ap.add_argument("--deepspeed-runs", type=int, default=None,
+                    help="most DeepSpeed runs per technique (default 3 with --quick, else 5)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per verification run")
     args = ap.parse_args()
     if args.rank_run:
         rank_run(args)
         return
+    ds_runs = args.deepspeed_runs or (3 if args.quick else 5)
     budget = (args.budget_gib if args.budget_gib is not None else 0.25 if args.quick else 2.0) * GIB
     rungs = ladder(args.max_layers, args.max_d_model)
     params = {r: param_count(r) for r in rungs}
@@ -322,16 +324,31 @@ def main() -> None:
                 break
             i -= 1
         if verified:
+            # The planner errs both ways: where the measured bytes leave room for the next rung (scaled
+            # by parameters), measure that one too, and keep climbing while it fits.
             i, res = verified
+            climbs = 0
+            while i + 1 < len(rungs) and climbs < 2 and res["measured"] * params[rungs[i + 1]] / params[rungs[i]] <= budget:
+                climbs += 1
+                up = measure("deepfleet", name, rungs[i + 1], **run_kw)
+                if "error" in up:
+                    break
+                tries.append({"params": up["params"], "measured_bytes": up["measured"]})
+                if up["measured"] > budget:
+                    break
+                i, res = i + 1, up
             layers, d_model = rungs[i]
             planned = planner_bytes(t, rungs[i], **plan_kw)
             line.update(largest_params=res["params"], layers=layers, d_model=d_model, planner_bytes=round(planned),
                         measured_bytes=res["measured"], planner_vs_measured=round(planned / res["measured"], 3),
                         losses=[round(x, 4) for x in res["losses"]], verify_runs=len(tries))
             if len(tries) > 1:
-                line["over_budget_tries"] = tries[:-1]
+                line["other_runs"] = [tr for tr in tries if tr["params"] != res["params"]]
             if with_ds:
-                line.update(deepspeed_largest(name, rungs, i, budget, params=params, runs=args.deepspeed_runs,
+                if t.nvme and t.stage < 3:
+                    line["deepspeed_note"] = ("DeepSpeed's stages 1 and 2 treat offload_optimizer device nvme as "
+                                              "cpu: the state stays in host memory, no files")
+                line.update(deepspeed_largest(name, rungs, i, budget, params=params, runs=ds_runs,
                                               **run_kw))
                 ds = line.get("deepspeed_largest_params")
                 if ds:
