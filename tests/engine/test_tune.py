@@ -245,3 +245,12 @@ def test_under_a_tight_budget_the_pick_checkpoints_offloads_to_nvme_and_trains(t
     written = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
     assert written == ranks[0]["config"] and written["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
     load_config(written, world_size=2)
+
+
+def test_the_cli_takes_an_nvme_path_and_refuses_a_missing_one_in_one_line(tmp_path: Path, capsys) -> None:
+    from deepfleet.engine.planner.tune_cli import main
+
+    code = main([json.dumps(_base(tmp_path)), "--model", MODEL, "--world-size", "2", "--budget-gib", "1",
+                 "--nvme-path", str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("--nvme-path: ") and "create it" in err[0]
