@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -200,8 +201,10 @@ def measure(impl: str, technique: str, rung: tuple[int, int], *, nvme_root: Path
         return {"error": f"timed out after {timeout} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        errs = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
-        return {"error": (errs[-1] if errs else proc.stderr[-300:]).strip()[:300]}
+        # the ranks' own exception, not torchrun's ChildFailedError that wraps it
+        errs = [m.group(0) for m in re.finditer(r"\b\w*(Error|Exception): .+", proc.stderr)
+                if not m.group(0).startswith("ChildFailedError")]
+        return {"error": (errs[0] if errs else proc.stderr[-300:]).strip()[:300]}
     out = json.loads(lines[-1])
     out["measured"] = max(r["peak"] for r in out["per_rank"])
     return out
