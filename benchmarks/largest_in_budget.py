@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -301,6 +302,29 @@ def main() -> None:
     with_ds = not args.no_deepspeed and (DS_VENV / "bin" / "python").exists()
     nvme_root = Path(tempfile.mkdtemp(prefix="largest-nvme-"))
     shim = _shim_path() if with_ds else None
+    try:
+        lines = search(args, budget=budget, rungs=rungs, params=params, with_ds=with_ds, ds_runs=ds_runs,
+                       nvme_root=nvme_root, shim=shim)
+    finally:  # the offloaded optimizer state of every run is in files under nvme_root
+        shutil.rmtree(nvme_root, ignore_errors=True)
+        if shim:
+            shutil.rmtree(shim, ignore_errors=True)
+    ok = [ln for ln in lines if ln.get("largest_params")]
+    print(json.dumps({
+        "bench": "largest_in_budget_summary", "budget_bytes": budget, "world_size": WORLD,
+        "family": {"vocab": VOCAB, "seq": SEQ, "heads": HEADS, "micro_batch": MICRO, "max_layers": args.max_layers},
+        "largest_params": {ln["technique"]: ln["largest_params"] for ln in ok},
+        "deepspeed_largest_params": {ln["technique"]: ln.get("deepspeed_largest_params") for ln in ok} if with_ds else None,
+        "all_within_budget": all(ln["measured_bytes"] <= budget for ln in ok),
+        "max_planner_error": max((abs(ln["planner_vs_measured"] - 1) for ln in ok), default=None),
+        "best_technique": max(ok, key=lambda ln: ln["largest_params"])["technique"] if ok else None,
+    }), flush=True)
+
+
+def search(args: argparse.Namespace, *, budget: float, rungs: list[tuple[int, int]], params: dict, with_ds: bool,
+           ds_runs: int, nvme_root: Path, shim: Path | None) -> list[dict]:
+    """Every technique's line: the planner's answer, verified (and climbed past) by real runs, and
+    DeepSpeed's largest on the same rungs; each line is printed as it is done."""
     profiles: dict = {}
     lines = []
     for name in args.techniques.split(","):
@@ -358,16 +382,7 @@ def main() -> None:
                     line["deepfleet_vs_deepspeed_params"] = round(res["params"] / ds, 3)
         print(json.dumps(line), flush=True)
         lines.append(line)
-    ok = [ln for ln in lines if ln.get("largest_params")]
-    print(json.dumps({
-        "bench": "largest_in_budget_summary", "budget_bytes": budget, "world_size": WORLD,
-        "family": {"vocab": VOCAB, "seq": SEQ, "heads": HEADS, "micro_batch": MICRO, "max_layers": args.max_layers},
-        "largest_params": {ln["technique"]: ln["largest_params"] for ln in ok},
-        "deepspeed_largest_params": {ln["technique"]: ln.get("deepspeed_largest_params") for ln in ok} if with_ds else None,
-        "all_within_budget": all(ln["measured_bytes"] <= budget for ln in ok),
-        "max_planner_error": max((abs(ln["planner_vs_measured"] - 1) for ln in ok), default=None),
-        "best_technique": max(ok, key=lambda ln: ln["largest_params"])["technique"] if ok else None,
-    }), flush=True)
+    return lines
 
 
 if __name__ == "__main__":
