@@ -8,7 +8,8 @@ stage 3 16P/N), its step time relative to stage 0 measured in the same run, and 
 curve against DeepSpeed's, in wall seconds and in CPU seconds per step (on a shared machine the CPU
 figure is the steadier one); a plain table of the same goes to stderr. The model is the 27.4M-parameter
 GPT (`--model-size 27m`); `--stages` picks stages, and unknown options go to `zero_stages.py`
-(e.g. `--steps 4 --warmup 1` for a short run). Other benchmark scripts in this folder run after, each printing its own lines.
+(e.g. `--steps 4 --warmup 1` for a short run). Other benchmark scripts in this folder run after, each printing its own lines
+(`largest_in_budget.py` in its full mode: the largest GPT per memory technique in 2 GiB per rank, beside DeepSpeed).
 """
 
 from __future__ import annotations

@@ -59,13 +59,14 @@ def bench_config(stage: int, *, micro_batch: int, torch_adam: bool, bf16: bool, 
     }
 
 
-def reachable_bytes(root: object, *, max_depth: int = 6) -> int:
-    """Bytes of every distinct tensor storage reachable from `root` through attributes, lists, tuples and
-    dicts (parameters, gradients, optimizer state, flat buffers) — the same walk for both engines."""
+def reachable_tensors(root: object, *, max_depth: int = 6) -> list:
+    """One tensor per distinct storage reachable from `root` through attributes, lists, tuples and dicts
+    (parameters, gradients, optimizer state, flat buffers; a DTensor's local shard) — the same walk for
+    both engines."""
     import torch
 
     seen_objs: set[int] = set()
-    storages: dict[int, int] = {}
+    storages: dict[int, torch.Tensor] = {}
 
     def visit(obj: object, depth: int) -> None:
         if depth > max_depth or id(obj) in seen_objs:
@@ -79,12 +80,12 @@ def reachable_bytes(root: object, *, max_depth: int = 6) -> int:
             if local is not None:
                 tensors.append(local)
             for t in tensors:
-                if t.device.type == "meta":
+                if t.device.type == "meta" or getattr(t, "_local_tensor", None) is not None:
                     continue
                 try:
                     st = t.untyped_storage()
                     if st.nbytes() and st.data_ptr():
-                        storages[st.data_ptr()] = st.nbytes()
+                        storages.setdefault(st.data_ptr(), t)
                 except (RuntimeError, NotImplementedError):
                     continue  # a freed storage (e.g. FSDP's resharded unsharded params)
             return
@@ -106,7 +107,12 @@ def reachable_bytes(root: object, *, max_depth: int = 6) -> int:
             visit(obj.state, depth + 1)
 
     visit(root, 0)
-    return sum(storages.values())
+    return list(storages.values())
+
+
+def reachable_bytes(root: object, *, max_depth: int = 6) -> int:
+    """Bytes of every distinct tensor storage reachable from `root` (`reachable_tensors`)."""
+    return sum(t.untyped_storage().nbytes() for t in reachable_tensors(root, max_depth=max_depth))
 
 
 def measure(engine: object, impl: str) -> dict:

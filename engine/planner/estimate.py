@@ -92,6 +92,12 @@ class Estimate:
     def fits(self, budget_bytes: float | None) -> bool:
         return budget_bytes is None or self.total <= budget_bytes
 
+    def device_total(self, *, host_is_device: bool) -> float:
+        """The high-water mark in the training device's memory: `total`, plus what moved to host memory
+        when the device is the host (a run without an accelerator, where CPU-tier bytes such as NVMe
+        staging buffers share the budget); bytes in files never count."""
+        return self.total + (self.offloaded.get("cpu", 0.0) if host_is_device else 0.0)
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["choice"]["checkpoint"] = list(self.choice.checkpoint)

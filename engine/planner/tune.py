@@ -1,16 +1,19 @@
-"""The autotuner behind `deepfleet tune`: choose ZeRO stage, micro-batch size and offload (and
-activation checkpointing once the config can express it) for the most tokens/s within a per-rank
-memory budget, and write the winning ds_config.
+"""The autotuner behind `deepfleet tune`: choose ZeRO stage, micro-batch size, activation
+checkpointing and offload for the most tokens/s within a per-rank memory budget, and write the winning
+ds_config.
 
 Caller: `engine/planner/tune_cli.py`; tests and `benchmarks/autotune.py` call `tune` directly.
 
 How (DeepSpeed's `autotuning` section gives the knobs, `engine/config_autotuning.py`):
-1. The planner (`estimate.py`) profiles the model once and, for every stage x offload choice, finds
-   the micro-batch sizes that fit the budget (between min/max_train_micro_batch_size_per_gpu, and
-   with the train batch between min/max_train_batch_size); choices that fit at no size are pruned
-   without a trial. `num_tuning_micro_batch_sizes` sizes per choice are kept, spread geometrically
-   from the smallest to the largest that fits. With `fast`, offload is tried only for a stage where
-   nothing fits without it (offloading is slower whenever the state already fits).
+1. The planner (`estimate.py`) profiles the model once and, for every stage x checkpointing x offload
+   choice, finds the micro-batch sizes that fit the budget (between
+   min/max_train_micro_batch_size_per_gpu, and with the train batch between min/max_train_batch_size);
+   choices that fit at no size, or that the engine config refuses, are pruned without a trial.
+   `num_tuning_micro_batch_sizes` sizes per choice are kept, spread geometrically from the smallest to
+   the largest that fits. Per stage the choices come in tiers of rising cost: plain, every block
+   checkpointed (`deepfleet_activation_checkpointing`), optimizer state offloaded, both. With `fast`
+   a stage stops at the first tier that fits (recompute and offload traffic are slower whenever the
+   state already fits); a base config that checkpoints blocks itself keeps its own choice.
 2. Experiments are ordered by `tuner_type`: the grid in order ("gridsearch"), shuffled ("random",
    seeded by the config's `seed`), or by the planner's cost model — micro-batch over the recompute
    factor and the extra communication of stage 3 and of offload ("model_based").
@@ -21,8 +24,11 @@ How (DeepSpeed's `autotuning` section gives the knobs, `engine/config_autotuning
 4. The best experiment's config (without the `autotuning` section) is written to
    `results_dir/ds_config_optimal.json`, with `summary.json` listing every experiment.
 
-A training device without an accelerator keeps offloaded state in the same memory, and the engine
-refuses CPU offload there, so offload choices are tried only when an accelerator is present.
+A training device without an accelerator keeps CPU-offloaded state in the same memory, so CPU offload
+is tried only when an accelerator is present. NVMe offload of the optimizer state moves it to files
+(`engine/zero/nvme.py`) and saves memory on any device: it is tried when a directory for it is given
+(`--nvme-path`, or `zero_optimization.offload_optimizer.nvme_path` in the base config); without an
+accelerator its host staging buffers count against the budget.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from typing import Any
 
 from deepfleet.engine.config import ConfigError, DeepFleetConfig, load_config
 from deepfleet.engine.config_source import read_source
-from deepfleet.engine.planner.estimate import GIB, Choice, estimate
+from deepfleet.engine.planner.estimate import GIB, Choice, checkpointed_blocks, estimate
 from deepfleet.engine.planner.profile import ModelProfile, profile_model
 
 HIGHER_IS_BETTER = {"throughput": True, "flops": True, "latency": False}
@@ -95,9 +101,12 @@ def _micro_batches(lo: int, hi: int, count: int) -> list[int]:
 
 
 def _largest_fitting(profile: ModelProfile, cfg: DeepFleetConfig, *, world: int, choice: Choice, lo: int,
-                     hi: int, budget: float | None) -> int | None:
+                     hi: int, budget: float | None, host_counts: bool = False) -> int | None:
     def fits(mb: int) -> bool:
-        return budget is None or estimate(profile, cfg, world_size=world, choice=choice, micro_batch=mb).total <= budget
+        if budget is None:
+            return True
+        est = estimate(profile, cfg, world_size=world, choice=choice, micro_batch=mb)
+        return est.device_total(host_is_device=host_counts) <= budget
 
     if not fits(lo):
         return None
@@ -110,14 +119,51 @@ def _largest_fitting(profile: ModelProfile, cfg: DeepFleetConfig, *, world: int,
     return good
 
 
+def _tiers(stage: int, *, offloads: tuple[str, ...], checkpoint: tuple[int, ...] | None,
+           fixed_checkpoint: tuple[int, ...]) -> list[list[Choice]]:
+    """The choices of one stage, cheapest first, in tiers: plain; every block checkpointed; optimizer
+    state offloaded; offloaded and checkpointed. Recomputing a forward costs less than moving the
+    optimizer state over a bus or to files each step, so checkpointing comes first. `checkpoint` is the
+    blocks the checkpointing tiers use (None: that dimension is not searched, every choice keeps
+    `fixed_checkpoint`, the base config's own)."""
+    ckpts = [fixed_checkpoint] if checkpoint is None else [(), checkpoint]
+    tiers: list[list[Choice]] = []
+    for offloaded in (False, True):
+        for ckpt in ckpts:
+            tier = []
+            for device in offloads:
+                if (device != "none") != offloaded or (offloaded and stage == 0):
+                    continue
+                params = (device,) if stage < 3 or device == "none" else ("none", device)
+                tier += [Choice(stage=stage, offload_optimizer=device,
+                                offload_param=param if stage == 3 else "none", checkpoint=ckpt)
+                         for param in params]
+            if tier:
+                tiers.append(tier)
+    return tiers
+
+
 def experiments(profile: ModelProfile, base: dict[str, Any], *, world_size: int, budget_bytes: float | None,
-                accelerator: bool | None = None) -> tuple[list[Experiment], list[dict[str, Any]]]:
-    """The experiments worth a trial, in `tuner_type` order, and the pruned choices."""
+                accelerator: bool | None = None,
+                nvme_path: str | None = None) -> tuple[list[Experiment], list[dict[str, Any]]]:
+    """The experiments worth a trial, in `tuner_type` order, and the pruned choices.
+
+    Per stage the tiers of `_tiers` are tried in order; with `fast` the first tier where some choice
+    fits the budget is the stage's last (checkpointing and offload only where nothing cheaper fits).
+    Optimizer-state NVMe offload is a choice when `nvme_path` (or the base config's
+    `zero_optimization.offload_optimizer.nvme_path`) names a directory; CPU offload only with an
+    accelerator. Without an accelerator the host staging buffers of NVMe offload are counted in the
+    budget: host memory is the training device's memory there."""
     cfg = load_config(base, world_size=world_size)
     at = cfg.autotuning
     dp = max(1, world_size // at.mp_size)
     accelerator = _has_accelerator() if accelerator is None else accelerator
-    offloads = ("none", "cpu", "nvme") if accelerator else ("none",)
+    nvme_path = nvme_path or base_nvme_path(base)
+    offloads = ("none", "cpu", "nvme") if accelerator else ("none", "nvme") if nvme_path else ("none",)
+    num_blocks = len(profile.blocks)
+    fixed = checkpointed_blocks(cfg, num_blocks)
+    searched = tuple(range(num_blocks)) if num_blocks and not _checkpointing_set(base) else None
+    chunk = _nvme_chunk(base, trainable=profile.trainable_params, dp=dp)
     fixed_batch = base.get("train_batch_size")
     gas_default = int(base.get("gradient_accumulation_steps") or 1)
     lo = at.min_train_micro_batch_size_per_gpu
@@ -127,22 +173,22 @@ def experiments(profile: ModelProfile, base: dict[str, Any], *, world_size: int,
     out: list[Experiment] = []
     pruned: list[dict[str, Any]] = []
     for stage in range(4):
-        fitted_plain = False
-        for device in offloads:
-            if device != "none" and stage == 0:
-                continue
-            if device != "none" and at.fast and fitted_plain:
-                continue  # fast: offload only where nothing fits without it
-            params_device = (device,) if stage < 3 or device == "none" else ("none", device)
-            for param_device in params_device:
-                choice = Choice(stage=stage, offload_optimizer=device,
-                                offload_param=param_device if stage == 3 else "none")
-                top = _largest_fitting(profile, cfg, world=dp, choice=choice, lo=lo, hi=hi, budget=budget_bytes)
+        for tier in _tiers(stage, offloads=offloads, checkpoint=searched, fixed_checkpoint=fixed):
+            fitted = False
+            for choice in tier:
+                shape = {"nvme_path": nvme_path, "nvme_chunk": chunk, "search_checkpointing": searched is not None}
+                loaded = _loaded(base, choice, world_size=world_size, **shape)
+                if isinstance(loaded, str):
+                    pruned.append({"choice": asdict(choice) | {"checkpoint": list(choice.checkpoint)},
+                                   "reason": f"the engine config refuses it: {loaded}"})
+                    continue
+                top = _largest_fitting(profile, loaded, world=dp, choice=choice, lo=lo, hi=hi, budget=budget_bytes,
+                                       host_counts=not accelerator)
                 if top is None:
-                    pruned.append({"choice": asdict(choice) | {"checkpoint": []},
+                    pruned.append({"choice": asdict(choice) | {"checkpoint": list(choice.checkpoint)},
                                    "reason": f"does not fit {budget_bytes / GIB:.3f} GiB at micro-batch {lo}"})
                     continue
-                fitted_plain |= device == "none"
+                fitted = True
                 for mb in _micro_batches(lo, top, at.num_tuning_micro_batch_sizes):
                     if fixed_batch:
                         if fixed_batch % (mb * dp):
@@ -154,15 +200,52 @@ def experiments(profile: ModelProfile, base: dict[str, Any], *, world_size: int,
                         continue
                     if at.max_train_batch_size and mb * gas * dp > at.max_train_batch_size:
                         continue
-                    est = estimate(profile, cfg, world_size=dp, choice=choice, micro_batch=mb)
+                    est = estimate(profile, loaded, world_size=dp, choice=choice, micro_batch=mb)
                     out.append(Experiment(name=_name(choice, mb), choice=choice, micro_batch=mb, gas=gas,
-                                          predicted_bytes=est.total, config=_config(base, choice, mb, gas),
+                                          predicted_bytes=est.device_total(host_is_device=not accelerator),
+                                          config=_config(base, choice, mb, gas, **shape),
                                           score=_score(est, mb)))
+            if fitted and at.fast:
+                break  # fast: nothing costlier for a stage where this tier fits
     if at.tuner_type == "random":
         random.Random(cfg.seed).shuffle(out)
     elif at.tuner_type == "model_based":
         out.sort(key=lambda e: -e.score)
     return out, pruned
+
+
+def _loaded(base: dict[str, Any], choice: Choice, *, world_size: int, **shape: Any) -> DeepFleetConfig | str:
+    """`choice` applied to `base` as a loaded config (what the planner estimates it with: NVMe chunk
+    sizes, buffers), or the first config error when this engine refuses the combination (e.g. an
+    offload tier it cannot use)."""
+    try:
+        return load_config(_config(base, choice, 1, 1, **shape), world_size=world_size)
+    except ConfigError as e:
+        return e.errors[0] if e.errors else str(e)
+
+
+def _nvme_chunk(base: Mapping[str, Any], *, trainable: int, dp: int) -> int | None:
+    """`sub_group_size` for NVMe experiments when the base config leaves it unset (DeepSpeed's default,
+    1e9 elements, would make each staging buffer as large as the whole shard's state, so offloading
+    would save nothing): chunks of a quarter of the shard over the buffers, so all `buffer_count`
+    staging buffers together hold a quarter of the state that moved to files."""
+    zero = base.get("zero_optimization") or {}
+    if "sub_group_size" in zero:
+        return None
+    count = int((zero.get("offload_optimizer") or {}).get("buffer_count", 4) or 4)
+    return max(4096, -(-trainable // (dp * 4 * count)))
+
+
+def base_nvme_path(base: Mapping[str, Any]) -> str | None:
+    """The base config's `zero_optimization.offload_optimizer.nvme_path`, if any."""
+    section = ((base.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    return section.get("nvme_path") if isinstance(section, Mapping) else None
+
+
+def _checkpointing_set(base: Mapping[str, Any]) -> bool:
+    """The base config checkpoints blocks itself (the tuner then keeps its choice instead of searching)."""
+    section = base.get("deepfleet_activation_checkpointing")
+    return isinstance(section, Mapping) and section.get("mode", "off") != "off"
 
 
 def _score(est: Any, mb: int) -> float:
@@ -180,7 +263,12 @@ def _name(choice: Choice, mb: int) -> str:
     return f"z{choice.stage}{off}{ckpt}_mbs{mb}"
 
 
-def _config(base: dict[str, Any], choice: Choice, mb: int, gas: int) -> dict[str, Any]:
+def _config(base: dict[str, Any], choice: Choice, mb: int, gas: int, *, nvme_path: str | None = None,
+            nvme_chunk: int | None = None, search_checkpointing: bool = False) -> dict[str, Any]:
+    """`base` as one experiment: its stage, offload devices (NVMe state under `nvme_path` unless the base
+    names its own, in chunks of `nvme_chunk` parameters unless it sets `sub_group_size`), micro-batch
+    and accumulation; with `search_checkpointing`, the experiment's `deepfleet_activation_checkpointing`
+    (every block, or the section dropped)."""
     cfg = copy.deepcopy(base)
     cfg.pop("autotuning", None)
     cfg.pop("train_batch_size", None)
@@ -193,7 +281,16 @@ def _config(base: dict[str, Any], choice: Choice, mb: int, gas: int) -> dict[str
             zero.pop(key, None)
         else:
             zero[key] = {**(zero.get(key) or {}), "device": device}
+            if device == "nvme" and key == "offload_optimizer":
+                if nvme_path:
+                    zero[key].setdefault("nvme_path", nvme_path)
+                if nvme_chunk:
+                    zero.setdefault("sub_group_size", nvme_chunk)
     cfg["zero_optimization"] = zero
+    if search_checkpointing:
+        cfg.pop("deepfleet_activation_checkpointing", None)
+        if choice.checkpoint:
+            cfg["deepfleet_activation_checkpointing"] = {"mode": "blocks", "every": 1}
     return cfg
 
 
@@ -286,12 +383,14 @@ def profile_from_built(built: Any) -> ModelProfile:
 def tune(config: dict[str, Any] | str | Path, model_factory: str, *, world_size: int = 1,
          budget_gib: float | None = None, factory_kwargs: Mapping[str, Any] | None = None,
          runner: Runner | None = None, profile: ModelProfile | None = None,
-         accelerator: bool | None = None, write: bool = True) -> TuneResult:
+         accelerator: bool | None = None, write: bool = True, nvme_path: str | Path | None = None) -> TuneResult:
     """Search, measure, and write `results_dir/ds_config_optimal.json` (see the module docstring).
 
     `runner(experiment, spec)` measures one experiment (default: `subprocess_runner`); `write`: write
-    the experiment and result files (false on all but one rank of an in-process tuning). Raises
-    `ConfigError` for a bad config."""
+    the experiment and result files (false on all but one rank of an in-process tuning); `nvme_path`: a
+    directory for optimizer-state NVMe offload, which makes that offload a choice (the base config's
+    `offload_optimizer.nvme_path` does too). Raises `ConfigError` for a bad config and ValueError for
+    an `nvme_path` that is not a directory."""
     errors: list[str] = []
     base = read_source(config, errors)
     if base is None:
@@ -301,9 +400,12 @@ def tune(config: dict[str, Any] | str | Path, model_factory: str, *, world_size:
     if "autotuning" in base and not at.enabled:
         raise ConfigError(['autotuning.enabled: false turns the tuner off for this config; set "enabled": true '
                            "or drop the section to tune with its defaults"])
+    if nvme_path is not None and not Path(nvme_path).is_dir():
+        raise ValueError(f"--nvme-path: {nvme_path} is not a directory; create it or name an existing one")
     prof = profile or profile_model(model_factory, factory_kwargs)
     budget = budget_gib * GIB if budget_gib is not None else None
-    exps, pruned = experiments(prof, base, world_size=world_size, budget_bytes=budget, accelerator=accelerator)
+    exps, pruned = experiments(prof, base, world_size=world_size, budget_bytes=budget, accelerator=accelerator,
+                               nvme_path=str(nvme_path) if nvme_path is not None else None)
     exps_dir, results_dir = Path(at.exps_dir), Path(at.results_dir)
     if write and at.overwrite and exps_dir.exists():
         shutil.rmtree(exps_dir)

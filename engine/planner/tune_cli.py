@@ -1,6 +1,7 @@
-"""`deepfleet tune CONFIG --model FACTORY --budget-gib G`: choose ZeRO stage, micro-batch size and
-offload for the most tokens/s within the budget (the config's `autotuning` section sets the search),
-and write the winning config to `autotuning.results_dir/ds_config_optimal.json`.
+"""`deepfleet tune CONFIG --model FACTORY --budget-gib G [--nvme-path DIR]`: choose ZeRO stage,
+micro-batch size, activation checkpointing and offload for the most tokens/s within the budget (the
+config's `autotuning` section sets the search), and write the winning config to
+`autotuning.results_dir/ds_config_optimal.json`.
 
 Run by the `deepfleet` CLI as its own process (`python -m deepfleet.engine.planner.tune_cli`), so the
 CLI stays torch-free. Prints one line per experiment and the winner, or the summary as JSON with
@@ -20,6 +21,8 @@ from deepfleet.engine.planner.cli import _kwargs, add_common_options, one_line_e
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="deepfleet tune", description=__doc__.splitlines()[0])
     add_common_options(ap, world_size_help="ranks per trial")
+    ap.add_argument("--nvme-path", default=None, metavar="DIR",
+                    help="directory for optimizer-state NVMe offload; makes that offload a choice when the budget needs it")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     return ap
 
@@ -29,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     from deepfleet.engine.planner.tune import tune
 
     result = one_line_errors(lambda: tune(args.config, args.model, world_size=args.world_size,
-                                          budget_gib=args.budget_gib, factory_kwargs=_kwargs(args.model_arg)))
+                                          budget_gib=args.budget_gib, factory_kwargs=_kwargs(args.model_arg),
+                                          nvme_path=args.nvme_path))
     if result is None:
         return 2
     if args.json:

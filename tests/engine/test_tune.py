@@ -1,7 +1,8 @@
 """The autotuner (`engine/planner/tune.py`, DeepSpeed's `autotuning` section): the planner prunes what
 cannot fit the budget, trials are ordered and stopped as the section says, and the winning config is
 written to results_dir and loads as an engine config. Trials are injected (a runner callable) except in
-the one end-to-end run, which measures real 1-rank trials in subprocesses."""
+the end-to-end runs: real 1-rank trials in subprocesses, and real 2-rank trials in-process whose pick
+(checkpointing and NVMe offload under a tight budget) then trains."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from deepfleet.engine.planner.estimate import Choice, estimate
 from deepfleet.engine.planner.profile import profile_model
 from deepfleet.engine.planner.tune import experiments, tune
 from tests.engine.planner_runs import gpt
+from tests.engine.tune_runs import tune_then_train
+from tests.spawn import spawn
 
 MODEL = "tests.engine.planner_runs:gpt"
 
@@ -145,3 +148,109 @@ def test_real_trials_measure_tokens_per_second(tmp_path: Path, monkeypatch: pyte
         assert (tmp_path / "exps" / exp.name / "ds_config.json").exists()
     assert result.best.metric["throughput"] == max(e.metric["throughput"] for e in result.experiments)
     assert (tmp_path / "results" / "ds_config_optimal.json").exists()
+
+
+MB = 8  # checkpointing and NVMe tiers are compared at one micro-batch size, where activations matter
+
+
+def _need(stage: int, *, ckpt: bool = False, nvme: bool = False) -> float:
+    """The planner's device bytes of a stage x checkpointing x NVMe choice at micro-batch MB, 2 ranks
+    (NVMe in the tuner's default chunks, its staging buffers counted: there is no accelerator)."""
+    exps, _ = experiments(_profile(), _base(Path("."), fast=False, min_train_micro_batch_size_per_gpu=MB,
+                                             max_train_micro_batch_size_per_gpu=MB),
+                          world_size=2, budget_bytes=None, accelerator=False, nvme_path="/nvme")
+    found = [e.predicted_bytes for e in exps if e.choice.stage == stage and bool(e.choice.checkpoint) == ckpt
+             and (e.choice.offload_optimizer == "nvme") == nvme]
+    assert len(found) == 1
+    return found[0]
+
+
+def _tiers(budget: float, nvme_path: str | None) -> tuple[list, list]:
+    return experiments(_profile(), _base(Path("."), min_train_micro_batch_size_per_gpu=MB,
+                                         max_train_micro_batch_size_per_gpu=MB),
+                       world_size=2, budget_bytes=budget, accelerator=False, nvme_path=nvme_path)
+
+
+def test_checkpointing_and_nvme_are_tried_only_where_the_budget_needs_them(tmp_path: Path) -> None:
+    plain = {s: _need(s) for s in range(4)}
+    ckpt = {s: _need(s, ckpt=True) for s in range(4)}
+    both = {s: _need(s, ckpt=True, nvme=True) for s in (1, 2, 3)}
+    assert all(ckpt[s] < plain[s] for s in range(4)) and all(both[s] < ckpt[s] for s in (1, 2, 3))
+    nvme = str(tmp_path)
+    # Room for every stage as it is: no recompute, no files.
+    exps, _ = _tiers(max(plain.values()) * 1.01, nvme)
+    assert {e.choice.stage for e in exps} == {0, 1, 2, 3}
+    assert not any(e.choice.checkpoint or e.choice.offload_optimizer != "none" for e in exps)
+    # No stage fits as it is; checkpointing alone fits at some: those stages checkpoint, none offloads
+    # there, and an offload tier appears only at a stage where checkpointing alone does not fit.
+    budget = (min(plain.values()) + min(ckpt.values())) / 2
+    assert budget < min(plain.values())
+    exps, _ = _tiers(budget, nvme)
+    assert exps and all(e.choice.checkpoint for e in exps) and all(e.predicted_bytes <= budget for e in exps)
+    for e in exps:
+        assert (e.choice.offload_optimizer == "nvme") == (ckpt[e.choice.stage] > budget), e.name
+    # Only NVMe offload with checkpointing fits: every experiment offloads, and each config says where.
+    budget = (min(ckpt.values()) + min(both.values())) / 2
+    exps, pruned = _tiers(budget, nvme)
+    assert exps and all(e.choice.offload_optimizer == "nvme" and e.choice.checkpoint for e in exps)
+    for e in exps:
+        zero = e.config["zero_optimization"]
+        assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": nvme} and zero["sub_group_size"] > 0
+        assert e.config["deepfleet_activation_checkpointing"] == {"mode": "blocks", "every": 1}
+        load_config(e.config, world_size=2)
+    assert any("offload_param" in str(p["reason"]) for p in pruned)  # refused by the config: never a trial
+    # Without a directory for NVMe nothing fits that budget.
+    exps, pruned = _tiers(budget, None)
+    assert exps == [] and pruned
+
+
+def test_the_full_grid_also_tries_checkpointing_where_the_state_fits(tmp_path: Path) -> None:
+    exps, _ = experiments(_profile(), _base(tmp_path, fast=False, min_train_micro_batch_size_per_gpu=MB,
+                                            max_train_micro_batch_size_per_gpu=MB),
+                          world_size=2, budget_bytes=1 << 30, accelerator=False, nvme_path=str(tmp_path))
+    names = {e.name for e in exps}
+    assert {"z0_mbs8", "z0_ckpt2_mbs8", "z3_optnvme_mbs8", "z3_optnvme_ckpt2_mbs8"} <= names
+    assert not any(e.choice.offload_optimizer == "cpu" for e in exps)  # no accelerator: CPU offload saves nothing
+
+
+def test_a_base_config_that_checkpoints_keeps_its_choice(tmp_path: Path) -> None:
+    base = _base(tmp_path, fast=False, max_train_micro_batch_size_per_gpu=2)
+    base["deepfleet_activation_checkpointing"] = {"mode": "blocks", "every": 2}
+    exps, _ = experiments(_profile(), base, world_size=2, budget_bytes=None, accelerator=False)
+    assert exps and all(e.choice.checkpoint == (0,) for e in exps)
+    assert all(e.config["deepfleet_activation_checkpointing"] == {"mode": "blocks", "every": 2} for e in exps)
+
+
+def test_an_nvme_path_that_is_not_a_directory_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^--nvme-path: .* is not a directory; create it"):
+        tune(_base(tmp_path), MODEL, world_size=2, budget_gib=1.0, runner=lambda e, s: {}, profile=_profile(),
+             nvme_path=tmp_path / "missing")
+
+
+def test_under_a_tight_budget_the_pick_checkpoints_offloads_to_nvme_and_trains(tmp_path: Path) -> None:
+    ckpt = min(_need(s, ckpt=True) for s in range(4))
+    both = min(_need(s, ckpt=True, nvme=True) for s in (1, 2, 3))
+    budget = (ckpt + both) / 2
+    base = _base(tmp_path, min_train_micro_batch_size_per_gpu=MB, max_train_micro_batch_size_per_gpu=MB,
+                 tuner_early_stopping=50)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    ranks = spawn(tune_then_train, 2, base, budget / 2**30, str(nvme), timeout=300)
+    for r in ranks:
+        assert r["errors"] and all(err is None for err in r["errors"]), r["errors"]
+        assert r["best"] == ranks[0]["best"] and "optnvme_ckpt2" in r["best"]
+        assert r["tried"] and all("optnvme_ckpt2" in name for name in r["tried"])
+        assert r["recompute"] == ["full", "full"] and r["nvme_files"]  # the state lives in files
+        assert all(x == x for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
+    written = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
+    assert written == ranks[0]["config"] and written["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    load_config(written, world_size=2)
+
+
+def test_the_cli_takes_an_nvme_path_and_refuses_a_missing_one_in_one_line(tmp_path: Path, capsys) -> None:
+    from deepfleet.engine.planner.tune_cli import main
+
+    code = main([json.dumps(_base(tmp_path)), "--model", MODEL, "--world-size", "2", "--budget-gib", "1",
+                 "--nvme-path", str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("--nvme-path: ") and "create it" in err[0]
