@@ -281,11 +281,14 @@ def _config(base: dict[str, Any], choice: Choice, mb: int, gas: int, *, nvme_pat
             zero.pop(key, None)
         else:
             zero[key] = {**(zero.get(key) or {}), "device": device}
-            if device == "nvme" and key == "offload_optimizer":
-                if nvme_path:
-                    zero[key].setdefault("nvme_path", nvme_path)
-                if nvme_chunk:
-                    zero.setdefault("sub_group_size", nvme_chunk)
+            if device == "nvme" and nvme_path:
+                zero[key].setdefault("nvme_path", nvme_path)
+            if device == "nvme" and key == "offload_optimizer" and nvme_chunk:
+                zero.setdefault("sub_group_size", nvme_chunk)
+            if device == "nvme" and key == "offload_param":
+                # DeepSpeed's default max_in_cpu (1e9 elements) keeps a model of that size wholly in
+                # memory, which would make the choice a copy of the one without parameter offload
+                zero[key].setdefault("max_in_cpu", 0)
     cfg["zero_optimization"] = zero
     if search_checkpointing:
         cfg.pop("deepfleet_activation_checkpointing", None)
