@@ -101,7 +101,7 @@ class Batcher:
         positions = torch.arange(width, device=device).expand(len(requests), width)
         slots = torch.tensor([r.slot for r in requests], device=device)
         last = torch.tensor([len(r.prompt) - 1 for r in requests], device=device)
-        logits = self.decoder(tokens, positions, cache=self.cache.layers, slots=slots, take=last)
+        logits = self.decoder(tokens, positions, cache=self.cache.layers, slots=slots, take=last, span=width)
         return self._emit(requests, logits[:, -1])
 
     def _decode(self, requests: list[Request]) -> list[tuple[Request, int]]:
