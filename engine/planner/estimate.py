@@ -14,8 +14,11 @@ come from `profile.py`'s measured profile. Offloaded state moves from the device
 nvme: optimizer state with `buffer_count` chunk buffers in host memory; stage-3 parameter shards, with
 their fp32 masters, less the `max_in_cpu` elements kept in host memory). On the CPU path, where the
 device is host memory, NVMe parameter offload frees the blocks' shards from the end of each block's
-forward to its backward and between steps; backward brings them back for the gradient reduction and the
-optimizer step, so there the reduction phase still holds them.
+forward to its backward and between steps; backward reads them back unit by unit for the reduction and
+the optimizer step. The estimate leaves them out of both phases: against the measured high-water mark
+of tests/engine/planner_runs.py's stage-3 runs (both offloads, max_in_cpu 0) that is within 4% without
+checkpointing and within 12.3% with it (counting them all back in the reduction phase overshot by up
+to 44%).
 
 Step-time factors are relative to plain data parallelism on the same model: `recompute` (checkpointed
 blocks run their forward twice; a forward is about a third of a step's arithmetic and a block's share
