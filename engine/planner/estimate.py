@@ -14,11 +14,9 @@ come from `profile.py`'s measured profile. Offloaded state moves from the device
 nvme: optimizer state with `buffer_count` chunk buffers in host memory; stage-3 parameter shards, with
 their fp32 masters, less the `max_in_cpu` elements kept in host memory). On the CPU path, where the
 device is host memory, NVMe parameter offload frees the blocks' shards from the end of each block's
-forward to its backward and between steps; backward reads them back unit by unit for the reduction and
-the optimizer step. The estimate leaves them out of both phases: against the measured high-water mark
-of tests/engine/planner_runs.py's stage-3 runs (both offloads, max_in_cpu 0) that is within 4% without
-checkpointing and within 12.3% with it (counting them all back in the reduction phase overshot by up
-to 44%).
+forward to its backward and between steps; backward reads them all back for the reduction and the
+optimizer step, so the reduction phase counts them (measured with a storage tracker that follows
+in-place resizes, the step's high-water mark with parameter offload equals the one without).
 
 Step-time factors are relative to plain data parallelism on the same model: `recompute` (checkpointed
 blocks run their forward twice; a forward is about a third of a step's arithmetic and a block's share
@@ -190,6 +188,7 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
             chunk = min(zero.sub_group_size or p, shard(p)) * 4 * (states + (1 if masters else 0))
             offloaded["cpu"] += _nvme_buffers(config, "offload_optimizer", chunk_bytes=chunk)
             nvme_bytes += 2 * moved  # read and write back every optimizer state byte per step
+    back_for_step = 0.0  # offloaded shards backward reads back for the reduction and the optimizer step
     if choice.offload_param != "none" and stage == 3:
         host_bytes += 2 * params  # shards fetched for forward and again for backward
         if choice.offload_param == "nvme":
@@ -202,6 +201,7 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
             offloaded["cpu"] += kept * files
             offloaded["nvme"] += (1.0 - kept) * files
             nvme_bytes += 2 * (1.0 - kept) * files
+            back_for_step = (1.0 - kept) * files
             master = 0.0
         else:
             offloaded[choice.offload_param] += params
@@ -216,7 +216,7 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
     # their largest) and the gradient reduction (activations mostly freed by then).
     base = params + optimizer + master + persistent_grads
     backward_peak = base + act + during_backward
-    reduction_peak = base + reduce_phase + (grads - persistent_grads)
+    reduction_peak = base + reduce_phase + (grads - persistent_grads) + back_for_step
     phase = "backward" if backward_peak >= reduction_peak else "reduction"
     buckets = during_backward if phase == "backward" else reduce_phase
     ckpt_params = sum(profile.blocks[i].params for i in choice.checkpoint)

@@ -134,10 +134,9 @@ def _tiers(stage: int, *, offloads: tuple[str, ...], checkpoint: tuple[int, ...]
             for device in offloads:
                 if (device != "none") != offloaded or (offloaded and stage == 0):
                     continue
-                params = (device,) if stage < 3 or device == "none" else ("none", device)
-                tier += [Choice(stage=stage, offload_optimizer=device,
-                                offload_param=param if stage == 3 else "none", checkpoint=ckpt)
-                         for param in params]
+                # Parameter offload is not searched: its shards are all back in memory for the gradient
+                # reduction and the optimizer step, so it lowers no step's high-water mark.
+                tier.append(Choice(stage=stage, offload_optimizer=device, checkpoint=ckpt))
             if tier:
                 tiers.append(tier)
     return tiers
@@ -285,10 +284,7 @@ def _config(base: dict[str, Any], choice: Choice, mb: int, gas: int, *, nvme_pat
                 zero[key].setdefault("nvme_path", nvme_path)
             if device == "nvme" and key == "offload_optimizer" and nvme_chunk:
                 zero.setdefault("sub_group_size", nvme_chunk)
-            if device == "nvme" and key == "offload_param":
-                # DeepSpeed's default max_in_cpu (1e9 elements) keeps a model of that size wholly in
-                # memory, which would make the choice a copy of the one without parameter offload
-                zero[key].setdefault("max_in_cpu", 0)
+
     cfg["zero_optimization"] = zero
     if search_checkpointing:
         cfg.pop("deepfleet_activation_checkpointing", None)
