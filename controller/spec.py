@@ -193,7 +193,7 @@ class SecretRef(_Section):
 SECRET_KEY_DEFAULT = "value"
 # Worker variables a job may set in `env` although they carry deepfleet's prefix (they configure the
 # worker's side of a contract rather than take it over).
-USER_SETTABLE_ENV = frozenset({"DEEPFLEET_CA_BUNDLE"})
+USER_SETTABLE_ENV = frozenset({"DEEPFLEET_CA_BUNDLE", "DEEPFLEET_SERVE_API_KEY"})
 
 MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 

@@ -165,6 +165,9 @@ factory (`spec.model.factory` and `args`), and `init_inference`'s options (`dtyp
 `maxOutTokens`, `maxBatchSize`, `replaceWithKernelInject`) keep DeepSpeed's names. It runs as one
 process on one node, with the same clean environment and job-scoped token as a training job. When the
 endpoint listens, the job is RUNNING and `deepfleet get` shows `endpoint`; `deepfleet cancel` stops it.
+To require an API key, give the endpoint one from a secret: `env: {DEEPFLEET_SERVE_API_KEY: {secret:
+serve-key}}` (the secret holds one key, or several comma-separated during a rotation); clients then send
+`Authorization: Bearer <key>`, and requests without it get 401.
 
 ```yaml
 apiVersion: deepfleet/v1

@@ -88,13 +88,14 @@ def run_serve(spec: WorkerSpec) -> int:
         return int(ExitCode.INVALID_SPEC)
     import uvicorn
 
-    from deepfleet.engine.inference.serve import create_app
+    from deepfleet.engine.inference.serve import API_KEY_ENV, api_keys_from, create_app
 
     assert spec.serve is not None
     sock = _listen(spec.serve_address or DEFAULT_ADDRESS)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
-    app = create_app(engine, model_name=spec.serve.model_name)
+    # a serving job's `env` sets the key, from a secret (`secretRef`), never in the spec's text
+    app = create_app(engine, model_name=spec.serve.model_name, api_keys=api_keys_from(os.environ.get(API_KEY_ENV)))
     print(f"deepfleet-worker: job {spec.job_id} serving {spec.checkpoint.dir if spec.checkpoint else ''} at "
           f"{url}/v1/completions", flush=True)
     _report(url)

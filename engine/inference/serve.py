@@ -6,6 +6,12 @@ thread, under a lock shared with submission, since the batcher is not thread-saf
 is in flight, and hands each request its tokens through its own queue; `"stream": true` sends them as
 server-sent events (`data: {...}` chunks, then `data: [DONE]`), as OpenAI's API does.
 
+API keys: with `api_keys` (`deepfleet serve` and serving jobs take them from DEEPFLEET_SERVE_API_KEY,
+comma-separated so a key can be rotated), every `/v1/...` request must send `Authorization: Bearer
+<key>` with one of them, as OpenAI clients do (`api_key=`); anything else gets 401 with OpenAI's error
+body (`code: "invalid_api_key"`). Keys are compared in constant time and never logged. Without keys
+the endpoint is open: `deepfleet serve` binds 127.0.0.1 by default.
+
 Prompts are a string or a list of token ids (OpenAI accepts both). Strings need a tokenizer: a
 Hugging Face tokenizer when one is given, else UTF-8 bytes as token ids when the vocabulary has 256
 ids or more (the example GPT's), else the request is refused. Bad requests get HTTP 400 with
@@ -16,17 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from deepfleet.engine.inference.engine import InferenceEngine
@@ -116,9 +123,19 @@ class _Loop:
                             self.queues.pop(request.id, None)
 
 
-def create_app(engine: InferenceEngine, *, model_name: str = "deepfleet", tokenizer: Any = None) -> FastAPI:
+API_KEY_ENV = "DEEPFLEET_SERVE_API_KEY"
+
+
+def api_keys_from(value: str | None) -> tuple[str, ...]:
+    """The keys in a DEEPFLEET_SERVE_API_KEY value: comma-separated, blanks dropped."""
+    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+
+
+def create_app(engine: InferenceEngine, *, model_name: str = "deepfleet", tokenizer: Any = None,
+               api_keys: Collection[str] = ()) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring)."""
     tokens = Tokens(tokenizer, vocab_size=engine.module.spec.vocab_size)
+    keys = [k.encode() for k in api_keys]
     loop = _Loop(engine)
 
     @contextlib.asynccontextmanager
@@ -129,6 +146,22 @@ def create_app(engine: InferenceEngine, *, model_name: str = "deepfleet", tokeni
         task.cancel()
 
     app = FastAPI(title="deepfleet inference", lifespan=lifespan)
+
+    if keys:
+        @app.middleware("http")
+        async def _authorize(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            if request.url.path.startswith("/v1/"):
+                scheme, _, given = request.headers.get("authorization", "").partition(" ")
+                sent = given.strip().encode()
+                # every key compared, whatever matches first: the time says nothing about which
+                ok = scheme.lower() == "bearer" and sum(hmac.compare_digest(sent, k) for k in keys) > 0
+                if not ok:
+                    message = ("Authorization: missing or wrong API key; send 'Authorization: Bearer <key>' "
+                               "with a key this endpoint was started with")
+                    return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
+                        "error": {"message": message, "type": "invalid_request_error", "param": None,
+                                  "code": "invalid_api_key"}})
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -77,6 +77,10 @@ def serve(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
     name: Annotated[str, typer.Option(help="The model name clients send.")] = "deepfleet",
+    api_key: Annotated[str | None, typer.Option(
+        envvar="DEEPFLEET_SERVE_API_KEY", show_default=False,
+        help="Keys clients must send as 'Authorization: Bearer <key>' (comma-separated; prefer the "
+             "environment variable: a command line is visible to other users).")] = None,
 ) -> None:
     """Serve CHECKPOINT at http://HOST:PORT/v1/completions (OpenAI-compatible, streaming)."""
     try:
@@ -91,9 +95,10 @@ def serve(
         raise typer.Exit(EXIT_INVALID_INPUT) from None
     import uvicorn
 
-    from deepfleet.engine.inference.serve import create_app
+    from deepfleet.engine.inference.serve import api_keys_from, create_app
 
-    uvicorn.run(create_app(engine, model_name=name, tokenizer=tokenizer), host=host, port=port, log_level="info")
+    app = create_app(engine, model_name=name, tokenizer=tokenizer, api_keys=api_keys_from(api_key))
+    uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 def main() -> None:

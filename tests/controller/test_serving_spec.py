@@ -172,3 +172,15 @@ def test_the_api_refuses_bad_serving_specs_and_other_projects_checkpoints(client
     assert doc["spec"]["model"]["job"] == own
     r = client.post("/v1/jobs", content=_serving_yaml(served["id"]), headers=member)  # a serving job is no checkpoint
     assert r.status_code == 422 and "is a ServingJob" in r.json()["errors"][0]
+
+
+def test_a_serving_job_takes_its_api_key_from_a_secret() -> None:
+    """DEEPFLEET_SERVE_API_KEY carries deepfleet's prefix yet is the user's to set (the endpoint's key),
+    as a secret reference: the stored spec and the compiled submission hold only the secret's name."""
+    from deepfleet.controller.spec import SecretRef, secret_refs
+
+    doc = serving_document(env={"DEEPFLEET_SERVE_API_KEY": {"secret": "serve-key"}})
+    spec = validate_job(doc)
+    assert secret_refs(spec) == {"DEEPFLEET_SERVE_API_KEY": SecretRef(secret="serve-key")}
+    sub = compiled(doc)
+    assert "DEEPFLEET_SERVE_API_KEY" not in sub.env  # resolved by the backend at launch, never in the spec text

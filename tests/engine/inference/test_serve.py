@@ -98,3 +98,29 @@ def test_malformed_json_is_a_400(served):
     _, client = served
     r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "body: is not valid JSON; send a JSON object"
+
+
+def test_with_api_keys_every_v1_request_needs_one_of_them(served):
+    """OpenAI clients send `Authorization: Bearer <key>`; without one of the endpoint's keys a request
+    gets 401 with OpenAI's error body, and with one (either of two, as during a rotation) it is served."""
+    from deepfleet.engine.inference.serve import api_keys_from
+
+    model, _ = served
+    assert api_keys_from(" sk-a, ,sk-b ") == ("sk-a", "sk-b") and api_keys_from(None) == ()
+    engine = init_inference(model, dtype=torch.float32, max_out_tokens=64, max_batch_size=2)
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    with TestClient(create_app(engine, model_name="tiny", api_keys=api_keys_from("sk-a,sk-b"))) as client:
+        for headers in ({}, {"Authorization": "Bearer sk-c"}, {"Authorization": "Basic sk-a"},
+                        {"Authorization": "Bearer"}, {"Authorization": "Bearer sk-a-longer"}):
+            for r in (client.post("/v1/completions", json=body, headers=headers),
+                      client.get("/v1/models", headers=headers)):
+                assert r.status_code == 401, (headers, r.text)
+                assert r.headers["www-authenticate"] == "Bearer"
+                error = r.json()["error"]
+                assert error["code"] == "invalid_api_key" and error["message"].startswith("Authorization: ")
+                assert "\n" not in error["message"] and "sk-a" not in error["message"]
+        for key in ("sk-a", "sk-b"):
+            r = client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3
+        assert client.get("/v1/models", headers={"Authorization": "bearer sk-b"}).status_code == 200

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -40,7 +42,8 @@ def test_serve_cli_answers_a_completion(tmp_path):
     path = _weights(tmp_path)
     proc = subprocess.Popen(_cli(str(path), "--model", "examples.gpt.factories:build", "--model-kwargs",
                                  json.dumps({**KWARGS, "num_samples": 8}), "--port", "0", "--max-out-tokens", "32"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "DEEPFLEET_SERVE_API_KEY": "sk-test"})
     try:
         port, deadline, seen = None, time.monotonic() + 120, []
         while port is None and time.monotonic() < deadline:
@@ -51,10 +54,18 @@ def test_serve_cli_answers_a_completion(tmp_path):
             match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
             port = int(match.group(1)) if match else None
         assert port, "".join(seen)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                                     data=json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).encode(),
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
+        def request(headers: dict) -> urllib.request.Request:
+            return urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", method="POST", headers={"content-type": "application/json",
+                                                                                   **headers},
+                data=json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}).encode())
+
+        # the key comes from DEEPFLEET_SERVE_API_KEY: a request without it is refused
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request({}), timeout=60)
+        assert refused.value.code == 401
+        refused.value.close()  # the error holds the response and its socket
+        with urllib.request.urlopen(request({"Authorization": "Bearer sk-test"}), timeout=60) as r:
             body = json.loads(r.read())
         assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
     finally:
