@@ -33,16 +33,12 @@ from benchmarks.optim_step import HP, gpt_shapes  # noqa: E402
 DS_PYTHON = Path(os.environ.get("DEEPSPEED_VENV", ROOT / ".venv-deepspeed")) / "bin" / "python"
 
 
-def _engine(mode: str, nvme_dir: str, d_model: int, layers: int):
+def _gpt_engine(zero: dict, d_model: int, layers: int):
+    """The peer GPT on the engine with the `zero_optimization` section `zero` (the same model, data and
+    optimizer for every variant)."""
     import deepfleet.engine as deepfleet
     from examples.gpt.model import GPTConfig, GPTWithLoss
 
-    zero: dict = {"stage": 2}
-    if mode != "none":
-        zero["sub_group_size"] = 1_000_000  # parameter elements per chunk file
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(Path(nvme_dir) / mode), "buffer_count": 4,
-                                     "pipeline_read": mode == "nvme", "pipeline_write": mode == "nvme"}
-    Path(nvme_dir, mode).mkdir(parents=True, exist_ok=True)
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "zero_optimization": zero,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
            "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1}}
@@ -52,32 +48,58 @@ def _engine(mode: str, nvme_dir: str, d_model: int, layers: int):
     return engine
 
 
-def bench_nvme(args: argparse.Namespace) -> None:
+def _engine(mode: str, nvme_dir: str, d_model: int, layers: int):
+    zero: dict = {"stage": 2}
+    if mode != "none":
+        zero["sub_group_size"] = 1_000_000  # parameter elements per chunk file
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(Path(nvme_dir) / mode), "buffer_count": 4,
+                                     "pipeline_read": mode == "nvme", "pipeline_write": mode == "nvme"}
+    Path(nvme_dir, mode).mkdir(parents=True, exist_ok=True)
+    return _gpt_engine(zero, d_model, layers)
+
+
+def _batch() -> dict:
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 8192, (8, 64), generator=g)}
+    batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)
+    return batch
+
+
+def _time_steps(engines: dict, batch: dict, rounds: int, *, optimizer_offloaded: set[str]) -> tuple[dict, float]:
+    """Median step seconds per variant over `rounds` interleaved rounds after a first untimed one (which
+    creates the optimizer state and the first files), and the largest loss difference to "none"."""
+    times: dict[str, list[float]] = {m: [] for m in engines}
+    losses: dict[str, list[float]] = {m: [] for m in engines}
+    for r in range(rounds + 1):
+        for m, e in engines.items():
+            start = time.perf_counter()
+            loss = e(batch)
+            e.backward(loss)
+            e.step()
+            if m in optimizer_offloaded:
+                e.sharding.offload.wait()  # the background writes belong to the step
+            if r:
+                times[m].append(time.perf_counter() - start)
+            losses[m].append(float(loss.detach()))
+    med = {m: statistics.median(v) for m, v in times.items()}
+    diff = max(abs(a - b) for m in engines for a, b in zip(losses[m], losses["none"], strict=True))
+    return med, diff
+
+
+def _init_single_rank() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def bench_nvme(args: argparse.Namespace) -> None:
+    _init_single_rank()
     modes = ("none", "nvme", "nvme-serial")
     d_model, layers = (256, 2) if args.quick else (512, 4)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
         engines = {m: _engine(m, tmp, d_model, layers) for m in modes}
-        g = torch.Generator().manual_seed(1)
-        batch = {"input_ids": torch.randint(0, 8192, (8, 64), generator=g)}
-        batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        losses: dict[str, list[float]] = {m: [] for m in modes}
-        for r in range(args.rounds + 1):
-            for m, e in engines.items():
-                start = time.perf_counter()
-                loss = e(batch)
-                e.backward(loss)
-                e.step()
-                if m != "none":
-                    e.sharding.offload.wait()
-                if r:  # round 0 creates the optimizer state
-                    times[m].append(time.perf_counter() - start)
-                losses[m].append(float(loss.detach()))
-        med = {m: statistics.median(v) for m, v in times.items()}
+        med, diff = _time_steps(engines, _batch(), args.rounds, optimizer_offloaded={"nvme", "nvme-serial"})
         params = sum(p.numel() for p in engines["none"].sharding.module.parameters())
         files = engines["nvme"].sharding.offloaded_optimizer_bytes()
         print(json.dumps({
@@ -85,15 +107,11 @@ def bench_nvme(args: argparse.Namespace) -> None:
             "world_size": 1, "threads": torch.get_num_threads(), "step_s": {m: round(v, 4) for m, v in med.items()},
             "slowdown_vs_none": {m: round(v / med["none"], 3) for m, v in med.items()},
             "offloaded_mib": round(files / 2**20, 1),
-            "max_loss_diff_vs_none": max(abs(a - b) for m in modes for a, b in zip(losses[m], losses["none"],
-                                                                                   strict=True)),
+            "max_loss_diff_vs_none": diff,
         }), flush=True)
 
 
 def _stage3_engine(mode: str, nvme_dir: str, d_model: int, layers: int):
-    import deepfleet.engine as deepfleet
-    from examples.gpt.model import GPTConfig, GPTWithLoss
-
     zero: dict = {"stage": 3}
     path = str(Path(nvme_dir) / f"s3-{mode}")
     Path(path).mkdir(parents=True, exist_ok=True)
@@ -103,42 +121,18 @@ def _stage3_engine(mode: str, nvme_dir: str, d_model: int, layers: int):
         zero["sub_group_size"] = 1_000_000
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "buffer_count": 4,
                                      "pipeline_read": True, "pipeline_write": True}
-    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-           "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1}}
-    torch.manual_seed(0)
-    model = GPTWithLoss(GPTConfig(vocab_size=8192, seq_len=64, d_model=d_model, n_heads=4, n_layers=layers))
-    engine, *_ = deepfleet.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    return engine
+    return _gpt_engine(zero, d_model, layers)
 
 
 def bench_param_nvme(args: argparse.Namespace) -> None:
     """Stage 3 (FSDP2, one rank): step time with the parameter shards in files between steps."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _init_single_rank()
     modes = ("none", "param", "param+optimizer")
     d_model, layers = (256, 2) if args.quick else (512, 4)
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
         engines = {m: _stage3_engine(m, tmp, d_model, layers) for m in modes}
-        g = torch.Generator().manual_seed(1)
-        batch = {"input_ids": torch.randint(0, 8192, (8, 64), generator=g)}
-        batch["labels"] = torch.roll(batch["input_ids"], -1, dims=1)
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        losses: dict[str, list[float]] = {m: [] for m in modes}
-        for r in range(args.rounds + 1):
-            for m, e in engines.items():
-                start = time.perf_counter()
-                loss = e(batch)
-                e.backward(loss)
-                e.step()
-                if m == "param+optimizer":
-                    e.sharding.offload.wait()
-                if r:  # round 0 creates the optimizer state and the first files
-                    times[m].append(time.perf_counter() - start)
-                losses[m].append(float(loss.detach()))
-        med = {m: statistics.median(v) for m, v in times.items()}
+        batch = _batch()
+        med, diff = _time_steps(engines, batch, args.rounds, optimizer_offloaded={"param+optimizer"})
         params = sum(p.numel() for p in engines["none"].sharding.module.parameters())
         off = engines["param"].sharding.param_offload
         steps = args.rounds + 1
@@ -160,8 +154,7 @@ def bench_param_nvme(args: argparse.Namespace) -> None:
                                                    "param": round(at_forward_end / 2**20, 1)},
             "param_mib_read_per_step": round(read_mib, 1),
             "param_mib_written_per_step": round(written_mib, 1),
-            "max_loss_diff_vs_none": max(abs(a - b) for m in modes for a, b in zip(losses[m], losses["none"],
-                                                                                   strict=True)),
+            "max_loss_diff_vs_none": diff,
         }), flush=True)
 
 
