@@ -44,32 +44,40 @@ def test_nvme_offload_resumes_from_a_checkpoint_and_ignores_leftovers(runs: list
         assert max(abs(a - b) for a, b in zip(uninterrupted, r[stage]["resumed"], strict=True)) <= 1e-6
 
 
-def _build(path: str | None) -> None:
+# (section, stage, what the space check says it needs): optimizer-state and parameter offload share the
+# path checks of zero/nvme_io.py and must name their own key
+NVME_SECTIONS = [("offload_optimizer", 1, "the optimizer state needs"), ("offload_param", 3, "the parameter shards need")]
+
+
+def _build(section_name: str, stage: int, path: str | None) -> None:
     section = {"device": "nvme"} if path is None else {"device": "nvme", "nvme_path": path}
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                       "zero_optimization": {"stage": 1, "offload_optimizer": section}})
+                       "zero_optimization": {"stage": stage, section_name: section}})
     build_training(nn.Linear(4, 4), cfg)
 
 
-def test_bad_nvme_path_is_one_line_naming_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = r"^zero_optimization\.offload_optimizer\.nvme_path: "
+@pytest.mark.parametrize(("section", "stage", "needs"), NVME_SECTIONS, ids=[c[0] for c in NVME_SECTIONS])
+def test_bad_nvme_path_is_one_line_naming_the_key(section: str, stage: int, needs: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    key = rf"^zero_optimization\.{section}\.nvme_path: "
     cases = {"missing": (str(tmp_path / "nope"), "does not exist"), "unset": (None, "required")}
     (tmp_path / "file").write_text("x")
     cases["file"] = (str(tmp_path / "file"), "not a directory")
     for name, (path, why) in cases.items():
         with pytest.raises(ValueError, match=key + f".*{why}.*;") as e:
-            _build(path)
+            _build(section, stage, path)
         assert "\n" not in str(e.value), name
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(ValueError, match=key + ".*not writable"):
-            _build(str(locked))
+            _build(section, stage, str(locked))
     full = tmp_path / "full"
     full.mkdir()
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
-    with pytest.raises(ValueError, match=key + ".*MiB free but the optimizer state needs"):
-        _build(str(full))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 10, 10))
+    with pytest.raises(ValueError, match=key + f".*MiB free but {needs}") as e:
+        _build(section, stage, str(full))
+    assert "\n" not in str(e.value)
     assert not any(full.iterdir())  # checked before anything is written
 
 

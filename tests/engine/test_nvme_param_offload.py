@@ -2,20 +2,17 @@
 engine/zero/nvme_param.py) on 2 gloo ranks: losses equal the run without offload (alone, with the
 optimizer offload, under bf16), the shard storages are released after each step and the unit files have
 the shards' sizes, a resume continues like the uninterrupted run, a write that fails half-way never
-leaves a partial file under a final name and a resumed engine never reads the killed run's files, and a
-bad `nvme_path` is one line naming the key. Runs: `nvme_param_runs.py`."""
+leaves a partial file under a final name and a resumed engine never reads the killed run's files (a bad
+`nvme_path` is tested with the optimizer offload's, in test_nvme_offload.py, whose checks it shares).
+Runs: `nvme_param_runs.py`."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from deepfleet.engine.build import build_training
 from deepfleet.engine.config import load_config
 from tests.engine.nvme_param_runs import STEPS, losses_run, resume_run
 from tests.spawn import spawn
@@ -125,36 +122,6 @@ def test_a_failed_write_never_leaves_a_partial_file_under_its_final_name(resumes
         assert r["leftovers"] == []  # a new engine clears the killed run's files before anything reads them
         tail = r["uninterrupted"][-len(r["after_kill"]):]
         assert _close(tail, r["after_kill"]) <= 1e-6, (tail, r["after_kill"])
-
-
-def _build(path: str | None) -> None:
-    section = {"device": "nvme"} if path is None else {"device": "nvme", "nvme_path": path}
-    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-                       "zero_optimization": {"stage": 3, "offload_param": section}})
-    build_training(nn.Linear(4, 4), cfg)
-
-
-def test_bad_nvme_path_is_one_line_naming_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    key = r"^zero_optimization\.offload_param\.nvme_path: "
-    cases = {"missing": (str(tmp_path / "nope"), "does not exist"), "unset": (None, "required")}
-    (tmp_path / "file").write_text("x")
-    cases["file"] = (str(tmp_path / "file"), "not a directory")
-    for name, (path, why) in cases.items():
-        with pytest.raises(ValueError, match=key + f".*{why}.*;") as e:
-            _build(path)
-        assert "\n" not in str(e.value), name
-    if os.geteuid() != 0:  # root writes anywhere
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-        with pytest.raises(ValueError, match=key + ".*not writable"):
-            _build(str(locked))
-    full = tmp_path / "full"
-    full.mkdir()
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 10, 10))
-    with pytest.raises(ValueError, match=key + ".*MiB free but the parameter shards need") as e:
-        _build(str(full))
-    assert "\n" not in str(e.value)
-    assert not any(full.iterdir())  # checked before anything is written
 
 
 def test_param_nvme_needs_stage_3() -> None:
