@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tests.engine.nvme_runs import batch, train
+
 STEPS, SAVE_AT = 5, 2
 HIDDEN = 9  # odd: the shards of every block are uneven at 2 ranks (FSDP2 pads them)
 
@@ -74,21 +76,6 @@ def engine(cfg: dict):
     return eng
 
 
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
-
-
-def train(eng, steps: range) -> list[float]:
-    losses = []
-    for s in steps:
-        loss = eng(*_batch(s, torch.distributed.get_rank()))
-        eng.backward(loss)
-        eng.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def _padded_bytes(p: torch.Tensor, world_size: int, itemsize: int) -> int:
     """FSDP2's padded dim-0 shard of a parameter of global shape p.shape: every rank holds rank 0's
     rows (an empty shard, as rank 1's of a one-row weight, is all padding)."""
@@ -142,7 +129,7 @@ def _outside_forward(eng, base) -> dict:
     out["written_after_gathered"] = off.bytes_written - written
     written = off.bytes_written
     with torch.no_grad():
-        x, y = _batch(99, torch.distributed.get_rank())
+        x, y = batch(99, torch.distributed.get_rank())
         out["eval_diff"] = abs(float(eng(x, y)) - float(base(x, y)))
     out["resident_after_eval"] = off.resident_elements()
     eng.zero_grad()

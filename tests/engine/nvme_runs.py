@@ -48,15 +48,17 @@ def _engine(stage: int, nvme: str | None):
     return engine
 
 
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
 
 
-def _train(engine, steps: range) -> list[float]:
+def train(engine, steps: range) -> list[float]:
+    """Losses of `steps` training steps on this rank's batches of those steps (shared by the runs of
+    the parameter offload, nvme_param_runs.py)."""
     losses = []
     for s in steps:
-        loss = engine(*_batch(s, torch.distributed.get_rank()))
+        loss = engine(*batch(s, torch.distributed.get_rank()))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
@@ -66,17 +68,17 @@ def _train(engine, steps: range) -> list[float]:
 def stage_run(rank: int, world_size: int, root: str) -> dict:
     out: dict = {}
     for stage in (1, 2, 3):
-        base = _train(_engine(stage, None), range(STEPS))
+        base = train(_engine(stage, None), range(STEPS))
         nvme = str(Path(root) / f"nvme{stage}")
         os.makedirs(nvme, exist_ok=True)
         engine = _engine(stage, nvme)
         offload = engine.sharding.offload
         files = sorted(p.name for p in offload.directory.iterdir())
-        first = _train(engine, range(SAVE_AT))
+        first = train(engine, range(SAVE_AT))
         resident = sum(len(s) for s in engine.optimizer.state.values() if s)
         ckpt = str(Path(root) / f"ckpt{stage}")
         engine.save_checkpoint(ckpt, tag="t")
-        rest = _train(engine, range(SAVE_AT, STEPS))
+        rest = train(engine, range(SAVE_AT, STEPS))
         # a killed run's leftovers in the directory a resumed engine uses: a partial .tmp and a
         # garbage chunk under a final name; neither may be read
         (offload.directory / "chunk00000.bin.tmp").write_bytes(b"\x7f" * 13)
@@ -84,7 +86,7 @@ def stage_run(rank: int, world_size: int, root: str) -> dict:
         resumed = _engine(stage, nvme)
         leftovers = sorted(p.name for p in resumed.sharding.offload.directory.iterdir())
         resumed.load_checkpoint(ckpt, tag="t")
-        after = _train(resumed, range(SAVE_AT, STEPS))
+        after = train(resumed, range(SAVE_AT, STEPS))
         resumed.sharding.offload.wait()
         out[stage] = {
             "base": base, "nvme": first + rest, "resumed": after, "files_before": files,
