@@ -209,9 +209,10 @@ def resolve(spec: WorkerSpec, environ: Mapping[str, str]) -> Rendezvous:
 
 def bind_store(rdzv: Rendezvous, *, timeout_s: float) -> tuple[Rendezvous, Any]:
     """(`rdzv` on its real port, the store server node 0 keeps open or None) for a port-0 rendezvous;
-    `rdzv` itself and None otherwise. Node 0 binds and publishes, the other nodes wait up to `timeout_s`
-    for the published port (RendezvousEnvError when it does not come)."""
-    if rdzv.master_port != 0:
+    `rdzv` itself and None otherwise (a fixed port, or a `rendezvous.endpoint` the spec names, which is
+    never on port 0). Node 0 binds and publishes, the other nodes wait up to `timeout_s` for the
+    published port (RendezvousEnvError when it does not come)."""
+    if not rdzv.endpoint.endswith(":0"):
         return rdzv, None
     server = None
     if rdzv.node_rank == 0:

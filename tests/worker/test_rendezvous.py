@@ -95,6 +95,9 @@ def test_port_zero_node_zero_binds_and_publishes_the_other_nodes_read_it(tmp_pat
     # a fixed port is left as it is, with no server
     fixed = resolve(spec, {"DEEPFLEET_NNODES": "2", "DEEPFLEET_MASTER_PORT": "29500"})
     assert bind_store(fixed, timeout_s=1) == (fixed, None)
+    # so is an endpoint the spec names, whatever the port variable says
+    named = resolve(_spec(rendezvous={"endpoint": "10.0.0.4:29511", "port": 0}), {"DEEPFLEET_NNODES": "2"})
+    assert bind_store(named, timeout_s=1) == (named, None) and named.endpoint == "10.0.0.4:29511"
 
 
 def test_port_zero_errors_name_the_variable(tmp_path: Path) -> None:
