@@ -120,12 +120,15 @@ def _largest_fitting(profile: ModelProfile, cfg: DeepFleetConfig, *, world: int,
 
 
 def _tiers(stage: int, *, offloads: tuple[str, ...], checkpoint: tuple[int, ...] | None,
-           fixed_checkpoint: tuple[int, ...]) -> list[list[Choice]]:
+           fixed_checkpoint: tuple[int, ...], param_offload: bool) -> list[list[Choice]]:
     """The choices of one stage, cheapest first, in tiers: plain; every block checkpointed; optimizer
     state offloaded; offloaded and checkpointed. Recomputing a forward costs less than moving the
     optimizer state over a bus or to files each step, so checkpointing comes first. `checkpoint` is the
     blocks the checkpointing tiers use (None: that dimension is not searched, every choice keeps
-    `fixed_checkpoint`, the base config's own)."""
+    `fixed_checkpoint`, the base config's own). With `param_offload`, stage 3's offload tiers also move
+    the parameter shards with the optimizer state (an accelerator's memory is then what it saves; on the
+    host the shards are all back for the gradient reduction and the optimizer step, so it lowers no
+    step's high-water mark there)."""
     ckpts = [fixed_checkpoint] if checkpoint is None else [(), checkpoint]
     tiers: list[list[Choice]] = []
     for offloaded in (False, True):
@@ -134,9 +137,9 @@ def _tiers(stage: int, *, offloads: tuple[str, ...], checkpoint: tuple[int, ...]
             for device in offloads:
                 if (device != "none") != offloaded or (offloaded and stage == 0):
                     continue
-                # Parameter offload is not searched: its shards are all back in memory for the gradient
-                # reduction and the optimizer step, so it lowers no step's high-water mark.
-                tier.append(Choice(stage=stage, offload_optimizer=device, checkpoint=ckpt))
+                params = ("none", device) if param_offload and stage == 3 and device != "none" else ("none",)
+                tier += [Choice(stage=stage, offload_optimizer=device, offload_param=param, checkpoint=ckpt)
+                         for param in params]
             if tier:
                 tiers.append(tier)
     return tiers
@@ -172,7 +175,8 @@ def experiments(profile: ModelProfile, base: dict[str, Any], *, world_size: int,
     out: list[Experiment] = []
     pruned: list[dict[str, Any]] = []
     for stage in range(4):
-        for tier in _tiers(stage, offloads=offloads, checkpoint=searched, fixed_checkpoint=fixed):
+        for tier in _tiers(stage, offloads=offloads, checkpoint=searched, fixed_checkpoint=fixed,
+                           param_offload=accelerator):
             fitted = False
             for choice in tier:
                 shape = {"nvme_path": nvme_path, "nvme_chunk": chunk, "search_checkpointing": searched is not None}
@@ -284,7 +288,6 @@ def _config(base: dict[str, Any], choice: Choice, mb: int, gas: int, *, nvme_pat
                 zero[key].setdefault("nvme_path", nvme_path)
             if device == "nvme" and key == "offload_optimizer" and nvme_chunk:
                 zero.setdefault("sub_group_size", nvme_chunk)
-
     cfg["zero_optimization"] = zero
     if search_checkpointing:
         cfg.pop("deepfleet_activation_checkpointing", None)

@@ -61,6 +61,9 @@ def test_fast_mode_tries_offload_only_where_nothing_fits_without_it(tmp_path: Pa
     offloaded = {(e.choice.stage, e.choice.offload_optimizer) for e in fast if e.choice.offload_optimizer != "none"}
     assert offloaded and all(stage in (1, 2) for stage, _ in offloaded)  # stage 3 fits without offload
     assert any(e.choice.stage == 3 and e.choice.offload_optimizer != "none" for e in full)
+    # on an accelerator stage 3 also tries the parameter shards on the offload device; never elsewhere
+    assert any(e.choice.offload_param != "none" for e in full)
+    assert all(e.choice.stage == 3 for e in full if e.choice.offload_param != "none")
 
 
 def test_tune_picks_the_best_measured_trial_and_writes_a_loadable_config(tmp_path: Path) -> None:
