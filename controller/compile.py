@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from deepfleet.controller.backends.base import Submission, run_name
+from deepfleet.controller.sources import CheckpointSource
 from deepfleet.controller.spec import AnyJob, is_serving, node_bounds, plain_env
 from deepfleet.controller.tokens import job_token
 from deepfleet.worker.spec import (
@@ -64,8 +65,11 @@ def compile_submission(
     controller_url: str,
     secret: str,
     heartbeat_interval_s: float | None = None,
+    checkpoint_source: CheckpointSource | None = None,
 ) -> Submission:
-    """Everything a backend needs to start attempt `attempt` of job `job_id`."""
+    """Everything a backend needs to start attempt `attempt` of job `job_id`. `checkpoint_source`: the stored
+    record of the job `checkpoint.resumeFrom` names (`sources.checkpoint_source`), for the backends that
+    mount its checkpoints instead of copying them."""
     base = controller_url.rstrip("/")
     heartbeat_url = base + HEARTBEAT_PATH.format(job_id=job_id)
     ws = worker_spec(spec, job_id=job_id, attempt=attempt)
@@ -88,4 +92,5 @@ def compile_submission(
         spec=spec,
         worker_spec=ws,
         env=env,
+        checkpoint_source=checkpoint_source,
     )

@@ -16,7 +16,7 @@ import yaml
 
 from deepfleet.controller.backends.kubernetes import manifests, names
 from deepfleet.worker.spec import TOKEN_ENV
-from tests.controller.example_jobs import IMAGE, example_submission
+from tests.controller.example_jobs import IMAGE, JOB_ID, example_submission
 
 GOLDEN = Path(__file__).with_name("golden")
 VERSIONS = ["1.30.0", "1.33.0"]
@@ -180,11 +180,18 @@ def test_golden_files() -> None:
 
 
 def test_checkpoint_claim_is_mounted_at_the_checkpoint_dir_in_every_pod() -> None:
+    """Each job has its own directory on the claim (the same for every attempt), so jobs sharing a claim
+    never resume from each other's checkpoints."""
     job, _, _ = _objects(kubernetes={"checkpointClaim": "gpt-ckpt"}, checkpoint={"dir": "/checkpoints/gpt", "everySteps": 10})
     pod = job["spec"]["template"]["spec"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "gpt-ckpt"}} in pod["volumes"]
     mounts = pod["containers"][0]["volumeMounts"]
-    assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt"} in mounts
+    assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt", "subPath": f"default/{JOB_ID}"} in mounts
+    other, _, _ = manifests.render(example_submission("kubernetes", job_id="0" * 32, attempt=2,
+                                                      kubernetes={"checkpointClaim": "gpt-ckpt"},
+                                                      checkpoint={"dir": "/checkpoints/gpt"}), namespace="default")
+    assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt", "subPath": f"default/{'0' * 32}"} in \
+        other["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
     for version in VERSIONS:
         kubernetes_validate.validate(job, version, strict=True)
 

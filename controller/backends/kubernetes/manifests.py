@@ -24,6 +24,17 @@ Layout of one run named `<name>` (the deterministic `run_name`, so a resubmissio
   (`ProjectPolicy.secrets`) says which Secrets it may name, and the value never passes the controller.
 * With `spec.kubernetes.kueueQueue` the Job is created suspended with Kueue's queue-name label and
   Kueue admits it (unsuspends it) when its quota allows.
+
+Checkpoints (`checkpoint_mounts`). A job with `kubernetes.checkpointClaim` keeps its checkpoints on that
+claim under its own directory `<project>/<job id>` (`checkpoint_subpath`), mounted at `checkpoint.dir`
+with that `subPath`: every attempt of the job (same id) resumes from them, and jobs sharing a claim never
+see each other's. A job that starts from another job's checkpoint (`checkpoint.resumeFrom`, a ServingJob's
+`model.job`; the controller validated at submit that the source ran here with a claim in the same
+namespace, `controller.sources`) mounts the source's directory on the source's claim *read-only* at
+`SOURCE_MOUNT` (the volume `readOnly`, the mount `readOnly`, `subPath` the source's directory), and the
+WorkerSpec says where: a serving job's `checkpoint.dir` is `SOURCE_MOUNT` (it loads the newest complete
+checkpoint there and writes nothing); a training job's `resume_dir` is `SOURCE_MOUNT` (the worker copies
+the newest complete checkpoint from there into its own `checkpoint.dir` when that holds none).
 """
 
 from __future__ import annotations
@@ -34,13 +45,16 @@ from typing import Any
 from deepfleet.controller.backends.base import Submission
 from deepfleet.controller.backends.kubernetes import names
 from deepfleet.controller.spec import SECRET_KEY_DEFAULT, KubernetesOptions, node_bounds, secret_refs
-from deepfleet.worker.spec import SERVE_PORT, TOKEN_ENV
+from deepfleet.worker.spec import SERVE_PORT, TOKEN_ENV, WorkerSpec
 
 CONTAINER = "worker"
 WORKER_COMMAND = ["deepfleet-worker"]
 DEFAULT_GRACE_SECONDS = 60  # covers the worker's default 30 s preemption checkpoint with margin
 SHM_PATH = "/dev/shm"
 SECRET_ENV = (TOKEN_ENV,)  # variables of the submission env that go into the Secret, not the Job
+SOURCE_MOUNT = "/mnt/deepfleet/source-checkpoint"  # where another job's checkpoints are mounted read-only
+CHECKPOINT_VOLUME = "checkpoints"
+SOURCE_VOLUME = "source-checkpoint"
 
 
 def _options(sub: Submission) -> KubernetesOptions:
@@ -81,8 +95,46 @@ def _secret_values(sub: Submission) -> dict[str, str]:
     return {k: v for k, v in sorted(sub.env.items()) if k in SECRET_ENV}
 
 
-def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
+def checkpoint_subpath(project: str, job_id: str) -> str:
+    """The directory of a job's checkpoints on its claim (every attempt of the job uses the same one)."""
+    return f"{project}/{job_id}"
+
+
+def checkpoint_mounts(sub: Submission) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) of the run's checkpoints: its own claim's directory, read-write at
+    `checkpoint.dir`, and the checkpoint it starts from, read-only at `SOURCE_MOUNT` (module docstring).
+    Raises ValueError for a resumeFrom whose source this cluster cannot mount."""
+    opts, checkpoint = _options(sub), sub.spec.spec.checkpoint
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if opts.checkpoint_claim and checkpoint is not None:
+        volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": opts.checkpoint_claim}})
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": checkpoint.dir,
+                       "subPath": checkpoint_subpath(sub.spec.metadata.project, sub.job_id)})
+    if checkpoint is None or checkpoint.resume_from is None:
+        return volumes, mounts
+    source = sub.checkpoint_source
+    if source is None or source.job_id != checkpoint.resume_from or source.backend != "kubernetes" or not source.claim:
+        raise ValueError(f"checkpoint.resumeFrom: job {checkpoint.resume_from!r} kept no checkpoints on a claim of "
+                         "this cluster; name a kubernetes job that had a checkpointClaim")
+    volumes.append({"name": SOURCE_VOLUME, "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}})
+    mounts.append({"name": SOURCE_VOLUME, "mountPath": SOURCE_MOUNT, "readOnly": True,
+                   "subPath": checkpoint_subpath(source.project, source.job_id)})
+    return volumes, mounts
+
+
+def worker_spec(sub: Submission) -> WorkerSpec:
+    """The WorkerSpec the pods receive: the compiled one, told where a mounted source checkpoint is."""
     ws = sub.worker_spec
+    if ws.checkpoint is None or ws.checkpoint.resume_from is None or sub.checkpoint_source is None:
+        return ws
+    if ws.serve is not None:  # serve the source's checkpoint where it is mounted
+        return ws.model_copy(update={"checkpoint": ws.checkpoint.model_copy(update={"dir": SOURCE_MOUNT})})
+    return ws.model_copy(update={"resume_dir": SOURCE_MOUNT})
+
+
+def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
+    ws = worker_spec(sub)
     fixed = {
         **{k: v for k, v in sub.env.items() if k not in SECRET_ENV},
         "DEEPFLEET_WORKER_SPEC": json.dumps(ws.model_dump(mode="json", exclude_none=True), sort_keys=True),
@@ -139,10 +191,10 @@ def _pod_spec(sub: Submission, *, nodes: int) -> dict[str, Any]:
     if opts.shm_size:
         shm["sizeLimit"] = opts.shm_size
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": shm}]
-    if opts.checkpoint_claim and sub.spec.spec.checkpoint is not None:
-        # Every attempt's pods mount the same claim, so a new attempt resumes from the latest checkpoint.
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": opts.checkpoint_claim}})
-        container["volumeMounts"].append({"name": "checkpoints", "mountPath": sub.spec.spec.checkpoint.dir})
+    # Every attempt's pods mount the same claim directory, so a new attempt resumes from the latest checkpoint.
+    checkpoint_volumes, checkpoint_mounts_ = checkpoint_mounts(sub)
+    volumes += checkpoint_volumes
+    container["volumeMounts"] += checkpoint_mounts_
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": sub.name,
