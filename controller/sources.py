@@ -56,8 +56,8 @@ def reach_errors(source: CheckpointSource, *, backend: str, namespace: str | Non
     checkpoints of `source`, one line each naming `field` (empty: it can)."""
     name = source.job_id
     if source.backend != backend:
-        return [f"{field}: job {name!r} ran on backend {source.backend}, whose checkpoints a {backend} job cannot "
-                f"read; name a {backend} job, or run this job on backend {source.backend}"]
+        return [f"{field}: job {name!r} ran on backend {source.backend}, where a job on backend {backend} cannot "
+                f"read its checkpoints; name a job that ran on backend {backend}, or run this one on {source.backend}"]
     if backend == "local":
         return []  # the local backend reports a missing checkpoint when it copies one
     if source.dir is None:

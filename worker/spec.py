@@ -278,8 +278,8 @@ class Checkpoint(Section):
     keep_last: Annotated[int | None, Field(ge=1, le=10_000)] = None
     """Keep only the newest N complete checkpoints; null keeps all."""
     resume_from: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9-]+$")] = None
-    """Id of an earlier job of the same project whose newest complete checkpoint this job starts from;
-    null starts fresh (a job never picks up another job's checkpoints by name)."""
+    """Id of an earlier job of the same project and backend whose newest complete checkpoint this job starts
+    from; null starts fresh (a job never picks up another job's checkpoints by name)."""
 
 
 class RestartPolicy(Section):
