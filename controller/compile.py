@@ -34,7 +34,8 @@ FAILURE_PATH = "/v1/jobs/{job_id}/failure"
 def worker_spec(spec: AnyJob, *, job_id: str, attempt: int) -> WorkerSpec:
     """The WorkerSpec of one attempt (no secrets: the token travels in the environment only). A ServingJob
     compiles to the same contract: its factory as the entrypoint, the named job's checkpoint as
-    `checkpoint.resumeFrom` (copied into its own area by the backend) and `serve` set.
+    `checkpoint.resumeFrom` (copied into its own area by the local backend, mounted read-only by the
+    kubernetes and azureml backends from `checkpoint_source`) and `serve` set.
 
     The entrypoint, checkpoint, restart policy and step budget are the JobSpec's own section objects
     (the same models); what is added here is placement: job id, attempt, platform and node range."""

@@ -48,7 +48,8 @@ from deepfleet.worker.spec import (
 API_VERSION = "deepfleet/v1"
 KIND = "TrainingJob"
 SERVING_KIND = "ServingJob"
-# Where a serving job's copy of the training checkpoint lives inside its own checkpoint area.
+# Where a serving job's copy of the training checkpoint lives inside its own checkpoint area (local backend;
+# kubernetes and azureml point the worker's checkpoint.dir at the read-only mount of the source instead).
 SERVED_CHECKPOINT_DIR = "served"
 
 # Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
