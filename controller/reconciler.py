@@ -51,7 +51,7 @@ from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
 from deepfleet.controller.registry import ModelRegistry
 from deepfleet.controller.sources import CheckpointSource, checkpoint_source
-from deepfleet.controller.spec import AnyJob, stored_spec
+from deepfleet.controller.spec import AnyJob, is_serving, stored_spec
 from deepfleet.worker.spec import FailureClass, RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,8 @@ def _checkpoint_source(s: Session, job: Job, spec: AnyJob) -> CheckpointSource |
         return None
     found = s.get(Job, name)
     if found is None or found.project != job.project:
-        raise ValueError(f"checkpoint.resumeFrom: job {name!r} is not a job of project {job.project!r} any more")
+        field = "spec.model.job" if is_serving(spec) else "spec.checkpoint.resumeFrom"
+        raise ValueError(f"{field}: job {name!r} is not a job of project {job.project!r} any more; name one that is")
     return checkpoint_source(found.id, project=found.project, backend=found.backend, document=found.spec)
 
 

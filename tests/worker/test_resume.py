@@ -3,7 +3,8 @@ source's checkpoint input), as the worker meets it: a real checkpoint saved by t
 directories made read-only. Serving loads it from there (`worker.serve.build_engine`) and writes nothing
 into it; a training job's worker copies it into its own checkpoint dir (`worker.resume.seed_from`) with
 writable modes, leaves the source as it was, keeps its own newer checkpoints on a later attempt, and
-replaces a copy that was cut short. `deepfleet-worker --checkpoint-dir/--resume-dir` set both paths."""
+replaces a copy that was cut short; and the real worker, given `--resume-dir`, trains on from that
+checkpoint's step in its own directory. `deepfleet-worker --checkpoint-dir/--resume-dir` set both paths."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from deepfleet.worker.resume import seed_from
 from deepfleet.worker.serve import build_engine
 from deepfleet.worker.spec import WorkerSpec
 from tests.spawn import spawn
+from tests.worker.run_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 2, "num_samples": 16}
 IDS = torch.tensor([[3, 9, 27, 17, 8, 40, 1, 5]])
+CONFIG = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "seed": 7}
 
 
 def _train_and_save(rank: int, world: int, root: str) -> torch.Tensor:
@@ -36,8 +39,7 @@ def _train_and_save(rank: int, world: int, root: str) -> torch.Tensor:
     from examples.gpt.factories import build
 
     job = build(**ARGS)
-    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "seed": 7}
-    engine, _, loader, _ = deepfleet.initialize(model=job.model, config=config, training_data=job.training_data)
+    engine, _, loader, _ = deepfleet.initialize(model=job.model, config=CONFIG, training_data=job.training_data)
     for batch, _ in zip(loader, range(2), strict=False):
         engine.backward(engine(batch))
         engine.step()
@@ -134,3 +136,21 @@ def test_the_cli_takes_the_checkpoint_paths_the_backend_mounted() -> None:
     assert proc.returncode == 64 and proc.stderr.strip().splitlines() == [
         "deepfleet-worker: --checkpoint-dir/--resume-dir: the spec has no checkpoint section; drop the option or "
         "add checkpoint to the spec"]
+
+
+def test_the_worker_trains_on_from_the_mounted_checkpoint_in_its_own_directory(mounted, tmp_path: Path) -> None:
+    root, _ = mounted
+    before = _tree(root)
+    own = tmp_path / "own"
+    spec = {"job_id": "resumed", "entrypoint": {"factory": "examples.gpt.factories:build", "args": ARGS},
+            "engine_config": CONFIG, "max_steps": 3, "log_every_steps": 1,
+            "checkpoint": {"dir": "unused", "resume_from": "0123456789abcdef"},
+            "rendezvous": {"port": 0, "last_call_timeout_s": 2, "join_timeout_s": 60},
+            "restart": {"max_restarts": 0}, "monitor_interval_s": 0.2}
+    env = {"DEEPFLEET_NODE_RANK": "0", "DEEPFLEET_NNODES": "1", "DEEPFLEET_MASTER_ADDR": "127.0.0.1"}
+    code, log = run_worker(spec, timeout=150, wait_s=30, extra_env=env,
+                           args=["--checkpoint-dir", str(own), "--resume-dir", str(root)])
+    assert code == 0, log
+    assert "starting from checkpoint global_step2 of job 0123456789abcdef" in log
+    assert "starting at step 2/3 from checkpoint global_step2" in log, log
+    assert read_latest(own) == "global_step3" and _tree(root) == before
