@@ -29,9 +29,9 @@ from deepfleet.controller.settings import Settings
 from deepfleet.controller.sources import CheckpointSource, reach_errors
 from deepfleet.worker.spec import WorkerSpec
 from tests.controller.api.helpers import job_yaml, token, yaml_headers
-from tests.controller.example_jobs import IMAGE, JOB_ID, example_submission
+from tests.controller.example_jobs import IMAGE, JOB_ID, TRAINED, example_submission, serving_document
+from tests.controller.example_jobs import serving_submission as compiled
 from tests.controller.fake_kube import FakeKubeAPI
-from tests.controller.test_serving_spec import TRAINED, compiled, serving_document
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),

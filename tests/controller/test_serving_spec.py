@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -18,7 +17,6 @@ import pytest
 import yaml
 
 from deepfleet.controller.backends.kubernetes import manifests
-from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.db.models import Job
 from deepfleet.controller.sources import CheckpointSource
 from deepfleet.controller.spec import (
@@ -30,22 +28,10 @@ from deepfleet.controller.spec import (
 )
 from deepfleet.worker.spec import FactoryEntrypoint, WorkerSpec
 from tests.controller.api.helpers import job_yaml, token, yaml_headers
-from tests.controller.example_jobs import IMAGE, JOB_ID
+from tests.controller.example_jobs import IMAGE, SERVE_EXAMPLE, TRAINED, serving_document
+from tests.controller.example_jobs import serving_submission as compiled
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "serve.yaml"
-TRAINED = "0123456789abcdef0123456789abcdef"
-
-
-def serving_document(**spec_overrides: Any) -> dict[str, Any]:
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["model"]["job"] = TRAINED
-    doc["spec"].update(spec_overrides)
-    return doc
-
-
-def compiled(doc: dict[str, Any], source: CheckpointSource | None = None):
-    return compile_submission(validate_job(doc), job_id=JOB_ID, attempt=0, controller_url="http://ctl:8000",
-                              secret="test-secret", checkpoint_source=source)
+EXAMPLE = SERVE_EXAMPLE
 
 
 def test_the_example_compiles_into_a_serving_worker_spec() -> None:

@@ -26,8 +26,7 @@ from deepfleet.controller.backends.base import BackendError, RunPhase, Submissio
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.sources import checkpoint_source
 from deepfleet.controller.spec import validate_job
-from tests.controller.example_jobs import example_document
-from tests.controller.test_serving_spec import serving_document
+from tests.controller.example_jobs import example_document, serving_document
 from tests.e2e_cloud.test_azureml_real import ENV, wait
 
 pytestmark = [

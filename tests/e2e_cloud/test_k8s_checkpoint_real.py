@@ -28,8 +28,7 @@ from deepfleet.controller.backends.kubernetes.backend import KubernetesBackend, 
 from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.sources import checkpoint_source
 from deepfleet.controller.spec import validate_job
-from tests.controller.example_jobs import example_document
-from tests.controller.test_serving_spec import serving_document
+from tests.controller.example_jobs import example_document, serving_document
 from tests.e2e_cloud.test_k8s_real import NAMESPACE, wait
 
 ENV = ("DEEPFLEET_E2E_KUBECONFIG", "DEEPFLEET_E2E_IMAGE", "DEEPFLEET_E2E_CLAIM")
