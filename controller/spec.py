@@ -167,9 +167,10 @@ class KubernetesOptions(_Section):
     termination_grace_period_seconds: Annotated[int | None, Field(ge=0, le=86_400)] = None
     """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
     checkpoint_claim: Annotated[str | None, Field(max_length=253, pattern=DNS_LABEL)] = None
-    """A ReadWriteMany PersistentVolumeClaim whose directory `<project>/<job id>` is mounted at
-    `checkpoint.dir` in every pod, so every attempt writes to and resumes from the same checkpoints (and a
-    later job naming this one in `resumeFrom` or `model.job` mounts them read-only)."""
+    """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod; the job keeps its
+    checkpoints in its own directory there, `<checkpoint.dir>/<project>/<job id>`, so every attempt writes
+    to and resumes from the same checkpoints (and a later job naming this one in `resumeFrom` or
+    `model.job` mounts that directory read-only)."""
 
 
 class AzureMLOptions(_Section):

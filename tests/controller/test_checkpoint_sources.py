@@ -116,10 +116,11 @@ def test_a_training_job_resuming_another_mounts_its_own_directory_and_the_source
     pod = _pod(job)
     assert pod["volumes"][1:] == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}},
                                   SOURCE_VOLUME]
-    assert pod["containers"][0]["volumeMounts"][1:] == [
-        {"name": "checkpoints", "mountPath": "/checkpoints/gpt", "subPath": f"default/{JOB_ID}"}, SOURCE_MOUNT]
+    assert pod["containers"][0]["volumeMounts"][1:] == [{"name": "checkpoints", "mountPath": "/checkpoints/gpt"},
+                                                         SOURCE_MOUNT]
     worker = _worker(job)  # trains in its own directory, starting from a copy of the source's newest checkpoint
-    assert worker.checkpoint.dir == "/checkpoints/gpt" and worker.resume_dir == SOURCE_MOUNT["mountPath"]
+    assert worker.checkpoint.dir == f"/checkpoints/gpt/default/{JOB_ID}"
+    assert worker.resume_dir == SOURCE_MOUNT["mountPath"]
 
 
 @pytest.fixture()

@@ -179,19 +179,26 @@ def test_golden_files() -> None:
         assert text == path.read_text(), f"{name} changed; review and regenerate with DEEPFLEET_UPDATE_GOLDEN=1"
 
 
+def _worker_checkpoint_dir(job: dict) -> str:
+    env = job["spec"]["template"]["spec"]["containers"][0]["env"]
+    return json.loads(next(e["value"] for e in env if e["name"] == "DEEPFLEET_WORKER_SPEC"))["checkpoint"]["dir"]
+
+
 def test_checkpoint_claim_is_mounted_at_the_checkpoint_dir_in_every_pod() -> None:
-    """Each job has its own directory on the claim (the same for every attempt), so jobs sharing a claim
-    never resume from each other's checkpoints."""
+    """Each job keeps its checkpoints in its own directory on the claim (the same for every attempt), so
+    jobs sharing a claim never resume from each other's checkpoints."""
     job, _, _ = _objects(kubernetes={"checkpointClaim": "gpt-ckpt"}, checkpoint={"dir": "/checkpoints/gpt", "everySteps": 10})
     pod = job["spec"]["template"]["spec"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "gpt-ckpt"}} in pod["volumes"]
     mounts = pod["containers"][0]["volumeMounts"]
-    assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt", "subPath": f"default/{JOB_ID}"} in mounts
-    other, _, _ = manifests.render(example_submission("kubernetes", job_id="0" * 32, attempt=2,
-                                                      kubernetes={"checkpointClaim": "gpt-ckpt"},
-                                                      checkpoint={"dir": "/checkpoints/gpt"}), namespace="default")
-    assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt", "subPath": f"default/{'0' * 32}"} in \
-        other["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt"} in mounts
+    assert _worker_checkpoint_dir(job) == f"/checkpoints/gpt/default/{JOB_ID}"
+    later = manifests.job(example_submission("kubernetes", attempt=3, kubernetes={"checkpointClaim": "gpt-ckpt"},
+                                             checkpoint={"dir": "/checkpoints/gpt/"}), namespace="default")
+    assert _worker_checkpoint_dir(later) == f"/checkpoints/gpt/default/{JOB_ID}"
+    other = manifests.job(example_submission("kubernetes", job_id="0" * 32, kubernetes={"checkpointClaim": "gpt-ckpt"},
+                                             checkpoint={"dir": "/checkpoints/gpt"}), namespace="default")
+    assert _worker_checkpoint_dir(other) == f"/checkpoints/gpt/default/{'0' * 32}"
     for version in VERSIONS:
         kubernetes_validate.validate(job, version, strict=True)
 

@@ -25,16 +25,18 @@ Layout of one run named `<name>` (the deterministic `run_name`, so a resubmissio
 * With `spec.kubernetes.kueueQueue` the Job is created suspended with Kueue's queue-name label and
   Kueue admits it (unsuspends it) when its quota allows.
 
-Checkpoints (`checkpoint_mounts`). A job with `kubernetes.checkpointClaim` keeps its checkpoints on that
-claim under its own directory `<project>/<job id>` (`checkpoint_subpath`), mounted at `checkpoint.dir`
-with that `subPath`: every attempt of the job (same id) resumes from them, and jobs sharing a claim never
-see each other's. A job that starts from another job's checkpoint (`checkpoint.resumeFrom`, a ServingJob's
-`model.job`; the controller validated at submit that the source ran here with a claim in the same
-namespace, `controller.sources`) mounts the source's directory on the source's claim *read-only* at
-`SOURCE_MOUNT` (the volume `readOnly`, the mount `readOnly`, `subPath` the source's directory), and the
-WorkerSpec says where: a serving job's `checkpoint.dir` is `SOURCE_MOUNT` (it loads the newest complete
-checkpoint there and writes nothing); a training job's `resume_dir` is `SOURCE_MOUNT` (the worker copies
-the newest complete checkpoint from there into its own `checkpoint.dir` when that holds none).
+Checkpoints (`checkpoint_mounts`, `worker_spec`). A job with `kubernetes.checkpointClaim` mounts the claim
+at `checkpoint.dir` and keeps its checkpoints in its own directory there, `<checkpoint.dir>/<project>/<job
+id>` (`checkpoint_subpath`; the WorkerSpec's `checkpoint.dir`): every attempt of the job (same id) resumes
+from them, and a job never picks up another's from a shared claim. The worker creates that directory
+itself, as the image's user (a `subPath` the kubelet creates would be root's). A job that starts from
+another job's checkpoint (`checkpoint.resumeFrom`, a ServingJob's `model.job`; the controller validated
+at submit that the source ran here with a claim in the same namespace, `controller.sources`) mounts only
+the source's directory on the source's claim, *read-only*, at `SOURCE_MOUNT` (the volume `readOnly`, the
+mount `readOnly`, `subPath: <project>/<its job id>`, which its own worker created), and the WorkerSpec
+says where: a serving job's `checkpoint.dir` is `SOURCE_MOUNT` (it loads the newest complete checkpoint
+there and writes nothing); a training job's `resume_dir` is `SOURCE_MOUNT` (the worker copies the newest
+complete checkpoint from there into its own directory when that holds none).
 """
 
 from __future__ import annotations
@@ -96,21 +98,21 @@ def _secret_values(sub: Submission) -> dict[str, str]:
 
 
 def checkpoint_subpath(project: str, job_id: str) -> str:
-    """The directory of a job's checkpoints on its claim (every attempt of the job uses the same one)."""
+    """The directory of a job's checkpoints on its claim, relative to the claim's root (every attempt of
+    the job uses the same one)."""
     return f"{project}/{job_id}"
 
 
 def checkpoint_mounts(sub: Submission) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, volumeMounts) of the run's checkpoints: its own claim's directory, read-write at
-    `checkpoint.dir`, and the checkpoint it starts from, read-only at `SOURCE_MOUNT` (module docstring).
+    """(volumes, volumeMounts) of the run's checkpoints: its own claim, read-write at `checkpoint.dir`, and
+    the directory of the checkpoint it starts from, read-only at `SOURCE_MOUNT` (module docstring).
     Raises ValueError for a resumeFrom whose source this cluster cannot mount."""
     opts, checkpoint = _options(sub), sub.spec.spec.checkpoint
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
     if opts.checkpoint_claim and checkpoint is not None:
         volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": opts.checkpoint_claim}})
-        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": checkpoint.dir,
-                       "subPath": checkpoint_subpath(sub.spec.metadata.project, sub.job_id)})
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": checkpoint.dir})
     if checkpoint is None or checkpoint.resume_from is None:
         return volumes, mounts
     source = sub.checkpoint_source
@@ -124,13 +126,21 @@ def checkpoint_mounts(sub: Submission) -> tuple[list[dict[str, Any]], list[dict[
 
 
 def worker_spec(sub: Submission) -> WorkerSpec:
-    """The WorkerSpec the pods receive: the compiled one, told where a mounted source checkpoint is."""
+    """The WorkerSpec the pods receive: the compiled one, with its checkpoints in its own directory on its
+    claim and told where a mounted source checkpoint is."""
     ws = sub.worker_spec
-    if ws.checkpoint is None or ws.checkpoint.resume_from is None or sub.checkpoint_source is None:
+    if ws.checkpoint is None:
         return ws
-    if ws.serve is not None:  # serve the source's checkpoint where it is mounted
-        return ws.model_copy(update={"checkpoint": ws.checkpoint.model_copy(update={"dir": SOURCE_MOUNT})})
-    return ws.model_copy(update={"resume_dir": SOURCE_MOUNT})
+    checkpoint, update = ws.checkpoint, {}
+    if _options(sub).checkpoint_claim:
+        own = f"{checkpoint.dir.rstrip('/')}/{checkpoint_subpath(sub.spec.metadata.project, sub.job_id)}"
+        checkpoint = checkpoint.model_copy(update={"dir": own})
+    if checkpoint.resume_from is not None and sub.checkpoint_source is not None:
+        if ws.serve is not None:  # serve the source's checkpoint where it is mounted
+            checkpoint = checkpoint.model_copy(update={"dir": SOURCE_MOUNT})
+        else:
+            update["resume_dir"] = SOURCE_MOUNT
+    return ws.model_copy(update={"checkpoint": checkpoint, **update})
 
 
 def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
@@ -191,7 +201,7 @@ def _pod_spec(sub: Submission, *, nodes: int) -> dict[str, Any]:
     if opts.shm_size:
         shm["sizeLimit"] = opts.shm_size
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": shm}]
-    # Every attempt's pods mount the same claim directory, so a new attempt resumes from the latest checkpoint.
+    # Every attempt's pods mount the same claim, so a new attempt resumes from the latest checkpoint.
     checkpoint_volumes, checkpoint_mounts_ = checkpoint_mounts(sub)
     volumes += checkpoint_volumes
     container["volumeMounts"] += checkpoint_mounts_
