@@ -39,8 +39,8 @@ def seed_from(resume_dir: str | Path, *, into: str | Path) -> str | None:
     own.mkdir(parents=True, exist_ok=True)
     target = own / tag
     if not is_complete(target):
-        if target.exists():  # an earlier copy cut short (no COMPLETE): never loaded, replaced now
-            shutil.rmtree(target)
+        if target.exists():  # no COMPLETE (a save cut short): never loaded, replaced now (by any one node)
+            shutil.rmtree(target, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{tag}.copy-", dir=own))
         try:
             _copy_tree(source / tag, staging, last=COMPLETE)
