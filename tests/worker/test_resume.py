@@ -154,3 +154,20 @@ def test_the_worker_trains_on_from_the_mounted_checkpoint_in_its_own_directory(m
     assert "starting from checkpoint global_step2 of job 0123456789abcdef" in log
     assert "starting at step 2/3 from checkpoint global_step2" in log, log
     assert read_latest(own) == "global_step3" and _tree(root) == before
+
+
+def test_nodes_sharing_the_checkpoint_dir_seed_it_once_between_them(mounted, tmp_path: Path) -> None:
+    """Every node of a job runs the copy into the one shared directory at the same time: each gets the
+    tag, the directory holds one complete copy, and no staging directory is left."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    root, _ = mounted
+    own = tmp_path / "shared"
+    with ProcessPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(seed_from, root, into=own) for _ in range(3)]
+        tags = [f.result(timeout=120) for f in futures]
+    tag = find_latest_complete(root)  # a node that comes after a finished copy has nothing to do (None)
+    assert set(tags) <= {tag, None} and tag in tags and read_latest(own) == tag
+    assert sorted(p.name for p in own.iterdir()) == sorted([tag, "latest"])
+    assert {p.relative_to(own / tag): p.read_bytes() for p in (own / tag).rglob("*") if p.is_file()} == \
+        {p.relative_to(root / tag): p.read_bytes() for p in (root / tag).rglob("*") if p.is_file()}
