@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepfleet.engine.inference.attention import Packed
 from deepfleet.engine.inference.cache import KVCache
 from deepfleet.engine.inference.decoder import Decoder
 from deepfleet.engine.inference.sampling import Sampling, next_token
@@ -93,15 +94,12 @@ class Batcher:
         return self.cache.layers[0][0].device
 
     def _prefill(self, requests: list[Request]) -> list[tuple[Request, int]]:
+        # The prompts end to end, (1, tokens): no padding through the projections and the MLP.
         device = self._device()
-        width = max(len(r.prompt) for r in requests)
-        tokens = torch.zeros(len(requests), width, dtype=torch.long, device=device)
-        for i, r in enumerate(requests):
-            tokens[i, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
-        positions = torch.arange(width, device=device).expand(len(requests), width)
-        slots = torch.tensor([r.slot for r in requests], device=device)
-        last = torch.tensor([len(r.prompt) - 1 for r in requests], device=device)
-        logits = self.decoder(tokens, positions, cache=self.cache.layers, slots=slots, take=last, span=width)
+        packed = Packed.of([len(r.prompt) for r in requests], [r.slot for r in requests], device=device)
+        tokens = torch.tensor([[t for r in requests for t in r.prompt]], dtype=torch.long, device=device)
+        positions = torch.tensor([[p for r in requests for p in range(len(r.prompt))]], device=device)
+        logits = self.decoder(tokens, positions, cache=self.cache.layers, packed=packed)
         return self._emit(requests, logits[:, -1])
 
     def _decode(self, requests: list[Request]) -> list[tuple[Request, int]]:

@@ -72,6 +72,8 @@ class StaticDecodeStep:
                  compile_kwargs: dict[str, Any] | None = None) -> None:
         self.decoder, self.cache = decoder, cache
         decoder.pin_kernels()
+        for layer in decoder.layers:  # one-query attention as reductions inductor fuses (attention.py)
+            layer.reduce_decode_attention = True
         self._flat = [t for kv in cache.layers for t in kv]
         self._step = torch.compile(_FullStep(decoder), backend=backend, dynamic=False, **(compile_kwargs or {}))
 

@@ -11,10 +11,12 @@ per-architecture policies. The kernels' dispatcher (`use_triton`) is asked per c
 run the torch reference (CPU), the same math runs inline here instead of behind the custom-op
 boundary, which measured 0.7-0.8x of inline speed on a small model's decode step.
 
-Shapes: tokens and positions (batch, seq); hidden (batch, seq, hidden); q (batch, heads, seq,
-head_dim); a layer's cache (slots, kv_heads, max_tokens, head_dim). Attention masks every key whose
-position is after the query's, so rows of a batch may sit at different positions; keys written past
-a row's length (right padding of a prefill) are masked until they are overwritten.
+Shapes: tokens and positions (batch, seq), or (1, tokens) for a packed prefill (its prompts end to
+end, `attention.Packed`); hidden (batch, seq, hidden); q (batch, seq, heads, head_dim); a layer's
+cache (slots, kv_heads, max_tokens, head_dim). Attention masks every key whose position is after the
+query's, so rows of a batch may sit at different positions; cache positions past a row's length hold
+stale keys from the slot's earlier request, masked until they are overwritten. `attention.py` holds
+the attention forms (masked, packed prefill, one-query decode) and says which call uses which.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepfleet.engine.inference.attention import (
+    Packed,
+    cache_rows,
+    decode_attention,
+    masked_attention,
+    packed_attention,
+)
 from deepfleet.kernels._dispatch import use_triton
 from deepfleet.kernels.layer_norm import layer_norm
 from deepfleet.kernels.rms_norm import rms_norm
@@ -89,6 +98,9 @@ class Layer(nn.Module):
         self.qkv: nn.Module | None = None  # q|k|v in one projection, set by fuse_projections
         self.gate_up: nn.Module | None = None
         self.splits: list[int] | None = None
+        # One-query decode attention as fused reductions instead of SDPA (attention.py): set for the
+        # compiled static step, where inductor fuses it; eager it is slower.
+        self.reduce_decode_attention = False
 
     def fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up (fewer, larger calls per decode step), when they are
@@ -120,9 +132,10 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, *, rotary: tuple[Tensor, Tensor] | None,
                 cache: tuple[Tensor, Tensor] | None, slots: Tensor | None, key_mask: Tensor | None,
-                span: int | None = None) -> Tensor:
+                span: int | None = None, packed: Packed | None = None) -> Tensor:
         """`slots` None: the batch is cache rows 0..batch-1 in order; `span` None: keys up to the largest
-        position (the static decode step passes both, so it has no data-dependent shapes)."""
+        position (the static decode step passes both, so it has no data-dependent shapes); `packed`: x is
+        a prefill's prompts end to end, (1, tokens, hidden), laid out as it says (`attention.py`)."""
         b, t, _ = x.shape
         a = self.norm1(x)
         # Head counts come from the (possibly sharded or pruned) projection widths.
@@ -132,29 +145,39 @@ class Layer(nn.Module):
             fused = self.fused and _triton(self, q, *rotary)
             q, k = _rotate(q, rotary, fused=fused), _rotate(k, rotary, fused=fused)
         if cache is None:  # the whole sequence at once, no cache (InferenceEngine.forward)
-            keys, values, key_pos = k, v, positions
+            att = masked_attention(q, k.transpose(1, 2), v.transpose(1, 2), _visible(positions, positions, key_mask))
+            x = x + self.o(att)
+            return x + self.mlp(self.norm2(x))
+        ck, cv = cache
+        if packed is not None:
+            rows = packed.token_slots  # (1, tokens)
         else:
-            ck, cv = cache
             rows = (torch.arange(b, device=x.device) if slots is None else slots)[:, None]  # (batch, 1)
-            ck[rows, :, positions] = k.to(ck.dtype)  # indexed shape (batch, seq, kv_heads, head_dim)
-            cv[rows, :, positions] = v.to(cv.dtype)
+        ck[rows, :, positions] = k.to(ck.dtype)  # indexed shape (batch, seq, kv_heads, head_dim)
+        cv[rows, :, positions] = v.to(cv.dtype)
+        if packed is not None:
+            att = packed_attention(q, ck, cv, packed)
+        else:
             span = int(positions.max()) + 1 if span is None else span
-            kc, vc = (ck[:b], cv[:b]) if slots is None else (_rows(ck, slots), _rows(cv, slots))
-            keys = kc[:, :, :span].transpose(1, 2)  # (batch, span, kv_heads, head_dim)
-            values = vc[:, :, :span].transpose(1, 2)
-            key_pos = torch.arange(span, device=x.device).expand(b, span)
-        # (batch, 1, seq, keys): a key is visible when it is not after the query (and is not padding)
-        mask = key_pos[:, None, None, :] <= positions[:, None, :, None]
-        if key_mask is not None:
-            mask = mask & key_mask[:, None, None, :]
-            mask = mask | torch.eye(t, dtype=torch.bool, device=x.device)  # padded queries see themselves
-        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        if keys.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves several q heads
-            rep = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-        att = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
+            kc, vc = (ck[:b], cv[:b]) if slots is None else (cache_rows(ck, slots), cache_rows(cv, slots))
+            keys, values = kc[:, :, :span], vc[:, :, :span]  # (batch, kv_heads, span, head_dim)
+            if t == 1 and self.reduce_decode_attention:
+                att = decode_attention(q, keys, values, positions)
+            else:
+                key_pos = torch.arange(span, device=x.device).expand(b, span)
+                att = masked_attention(q, keys, values, _visible(key_pos, positions, key_mask))
+        x = x + self.o(att)
         return x + self.mlp(self.norm2(x))
+
+
+def _visible(key_pos: Tensor, positions: Tensor, key_mask: Tensor | None) -> Tensor:
+    """(batch, 1, seq, keys): a key is visible when it is not after the query (and is not padding)."""
+    mask = key_pos[:, None, None, :] <= positions[:, None, :, None]
+    if key_mask is not None:
+        t = positions.shape[1]
+        mask = mask & key_mask[:, None, None, :]
+        mask = mask | torch.eye(t, dtype=torch.bool, device=positions.device)  # padded queries see themselves
+    return mask
 
 
 def _triton(module: nn.Module, *tensors: Tensor) -> bool:
@@ -181,14 +204,6 @@ def _cat(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
     return frozen_linear(weight, bias)
-
-
-def _rows(cache: Tensor, slots: Tensor) -> Tensor:
-    """The cache rows of `slots`: a view when they are 0..n-1 in order (the common case), else a copy."""
-    n = slots.shape[0]
-    if n <= cache.shape[0] and bool((slots == torch.arange(n, device=slots.device)).all()):
-        return cache[:n]
-    return cache[slots]
 
 
 def _rotate(x: Tensor, rotary: tuple[Tensor, Tensor], *, fused: bool) -> Tensor:
@@ -241,9 +256,10 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, *, cache: list[tuple[Tensor, Tensor]] | None = None,
                 slots: Tensor | None = None, key_mask: Tensor | None = None, take: Tensor | None = None,
-                span: int | None = None) -> Tensor:
+                span: int | None = None, packed: Packed | None = None) -> Tensor:
         """`take` (batch,): keep only that sequence index of each row (the last real token of a prefill);
-        `slots`, `span`: as `Layer.forward` (with a cache, `slots` None means rows 0..batch-1)."""
+        `slots`, `span`, `packed`: as `Layer.forward` (with a cache, `slots` None means rows 0..batch-1).
+        A packed prefill: tokens and positions (1, tokens), logits (prompts, 1, vocab) at `packed.last`."""
         spec = self.spec
         x = self.embed(tokens)
         if self.pos is not None:
@@ -254,8 +270,10 @@ class Decoder(nn.Module):
             rotary = (self.rope_cos[flat], self.rope_sin[flat])
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rotary=rotary, cache=None if cache is None else cache[i], slots=slots,
-                      key_mask=key_mask, span=span)
-        if take is not None:
+                      key_mask=key_mask, span=span, packed=packed)
+        if packed is not None:
+            take = packed.last
+        if take is not None:  # (batch, seq) or, packed, (1, tokens): the row index broadcasts
             x = x[torch.arange(x.shape[0], device=x.device), take][:, None]
         if self.norm_f is not None:
             x = self.norm_f(x)
