@@ -75,7 +75,12 @@ class StaticDecodeStep:
         for layer in decoder.layers:  # one-query attention as reductions inductor fuses (attention.py)
             layer.reduce_decode_attention = True
         self._flat = [t for kv in cache.layers for t in kv]
-        self._step = torch.compile(_FullStep(decoder), backend=backend, dynamic=False, **(compile_kwargs or {}))
+        kwargs = dict(compile_kwargs or {})
+        if backend == "inductor" and "mode" not in kwargs and cache.layers[0][0].device.type == "cpu":
+            # C++ instead of Python for the code around the kernels: it calls the 20-odd kernels and
+            # matmuls of a step without Python dispatch (measured 4% of a batch-16 generate)
+            kwargs["options"] = {"cpp_wrapper": True, **kwargs.get("options", {})}
+        self._step = torch.compile(_FullStep(decoder), backend=backend, dynamic=False, **kwargs)
 
     def _full_step(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
         return self._step(tokens, positions, span, *self._flat)

@@ -41,6 +41,7 @@ from deepfleet.kernels.rope import rope, rope_cos_sin
 from deepfleet.kernels.swiglu import swiglu
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+PROJECTIONS = ("q", "k", "v", "qkv", "o", "up", "down", "gate", "gate_up")  # a Layer's linear-like modules
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,34 @@ def frozen_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
     return lin
 
 
+class MatmulLinear(nn.Module):
+    """nn.Linear's y = x W^T + b with W kept transposed, (in_features, out_features) contiguous, so the
+    matmul reads it without a transpose. Why: on CPU, fp32 GEMM at a decode step's few rows ran ~25%
+    faster on this layout (16 rows, widths 256-4096: the benchmark's batch-16 step), the same at 1 row
+    and at prefill sizes, ~6% faster in bf16. `weight` is the (out, in) view, as nn.Linear's."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features)  # (rows, in)
+        y = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _plain_host_linear(module: nn.Module) -> bool:
+    """A float nn.Linear whose weight is an ordinary CPU tensor (not a tensor-parallel DTensor shard)."""
+    return (type(module) is nn.Linear and type(module.weight) is nn.Parameter and module.weight.device.type == "cpu"
+            and module.weight.is_floating_point())
+
+
 def _cat(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
@@ -245,6 +274,20 @@ class Decoder(nn.Module):
         if on:
             for layer in self.layers:
                 layer.fuse_projections()
+
+    def use_matmul_layout(self, on: bool) -> None:
+        """With kernel injection, on CPU: every float nn.Linear projection still left (after fusion and
+        quantization) and an untied head become `MatmulLinear`. The decoder then holds its own copies
+        of those weights, as it already did of the fused ones; a head tied to the embedding is left
+        as it is (a transposed copy of the vocabulary table would cost its size again)."""
+        if not on:
+            return
+        for layer in self.layers:
+            for name in PROJECTIONS:
+                if _plain_host_linear(getattr(layer, name)):
+                    setattr(layer, name, MatmulLinear(getattr(layer, name)))
+        if _plain_host_linear(self.head) and self.head.weight is not getattr(self.embed, "weight", None):
+            self.head = MatmulLinear(self.head)
 
     def pin_kernels(self) -> None:
         """Fix the dispatcher's choice (Triton or the inline torch math) for every fused module now, as it

@@ -6,8 +6,9 @@ before: load `checkpoint` into the model (weights by the model's own names) -> c
 convert to the static-cache decoder (`architectures.py`) -> shard over the `tp` ranks
 (`tensor_parallel.py`; full weights are needed to cut them) -> with replace_with_kernel_inject, fused
 kernels and fused q/k/v and gate/up projections (of the shards) -> quantize the linears
-(`quantize.py`; each rank quantizes only its shard, fused or not) -> allocate the KV cache (its widths
-are the sharded ones).
+(`quantize.py`; each rank quantizes only its shard, fused or not) -> with replace_with_kernel_inject,
+the float projections left are stored transposed for the CPU matmul (`decoder.MatmulLinear`) ->
+allocate the KV cache (its widths are the sharded ones).
 
 `engine.forward(input_ids, attention_mask=None)` returns what the wrapped model returns (Hugging Face:
 an output with `.logits`; the example GPT: the logits tensor); `engine.generate(...)` takes Hugging
@@ -80,6 +81,9 @@ class InferenceEngine(nn.Module):
 
             group_size = config.quant.weight.group_size if config.quant is not None else 64
             quantize_decoder(decoder, bits=config.weight_bits, group_size=group_size)
+        # After quantization, which takes the nn.Linear layers it quantizes; the float ones left get
+        # the transposed layout the CPU matmul reads fastest.
+        decoder.use_matmul_layout(config.replace_with_kernel_inject)
         self.module = decoder.eval()
         self.cache = KVCache(decoder, slots=config.max_batch_size, max_tokens=config.max_out_tokens, dtype=self.dtype)
         self.batcher = Batcher(decoder, self.cache)
