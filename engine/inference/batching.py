@@ -104,19 +104,25 @@ class Batcher:
 
     def _decode(self, requests: list[Request]) -> list[tuple[Request, int]]:
         device = self._device()
+        at = [len(r.prompt) + len(r.tokens) - 1 for r in requests]  # each row's position
         tokens = torch.tensor([[r.tokens[-1]] for r in requests], device=device)
-        positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in requests], device=device)
+        positions = torch.tensor([[p] for p in at], device=device)
         if self.decode_step is not None:
-            return self._emit(requests, self.decode_step(tokens, positions, [r.slot for r in requests]))
+            logits, greedy = self.decode_step(tokens, positions, [r.slot for r in requests], last_position=max(at))
+            return self._emit(requests, logits, greedy)
         slots = torch.tensor([r.slot for r in requests], device=device)
         logits = self.decoder(tokens, positions, cache=self.cache.layers, slots=slots)
         return self._emit(requests, logits[:, -1])
 
-    def _emit(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, int]]:
+    def _emit(self, requests: list[Request], logits: torch.Tensor,
+              greedy: torch.Tensor | None = None) -> list[tuple[Request, int]]:
+        """`greedy` (batch,): the greedy tokens when the step computed them already."""
         made = []
-        # max(-1).indices in fp32: the same first index of the maximum as argmax (both documented so),
-        # ~5x faster on CPU than argmax, and bf16/fp16 -> fp32 is exact
-        greedy = logits.float().max(-1).indices.tolist()
+        if greedy is None:
+            # max(-1).indices in fp32: the same first index of the maximum as argmax (both documented
+            # so), ~5x faster on CPU than argmax, and bf16/fp16 -> fp32 is exact
+            greedy = logits.float().max(-1).indices
+        greedy = greedy.tolist()
         for i, r in enumerate(requests):
             token = greedy[i] if not r.sampling.do_sample else next_token(logits[i], r.sampling, r.generator)
             r.tokens.append(token)

@@ -59,10 +59,12 @@ class _FullStep(nn.Module):
         super().__init__()
         self.decoder = decoder
 
-    def forward(self, tokens: Tensor, positions: Tensor, span: int, *cache: Tensor) -> Tensor:
-        # tokens, positions (slots, 1); cache: k0, v0, k1, v1, ... -> last logits (slots, vocab)
+    def forward(self, tokens: Tensor, positions: Tensor, span: int, *cache: Tensor) -> tuple[Tensor, Tensor]:
+        # tokens, positions (slots, 1); cache: k0, v0, k1, v1, ... -> last logits (slots, vocab) and their
+        # greedy tokens (slots,): the argmax fuses into the step instead of costing an eager op after it
         layers = list(zip(cache[0::2], cache[1::2], strict=True))
-        return self.decoder(tokens, positions, cache=layers, slots=None, span=span)[:, -1]
+        logits = self.decoder(tokens, positions, cache=layers, slots=None, span=span)[:, -1]
+        return logits, logits.float().argmax(-1)
 
 
 class StaticDecodeStep:
@@ -82,19 +84,22 @@ class StaticDecodeStep:
             kwargs["options"] = {"cpp_wrapper": True, **kwargs.get("options", {})}
         self._step = torch.compile(_FullStep(decoder), backend=backend, dynamic=False, **kwargs)
 
-    def _full_step(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
+    def _full_step(self, tokens: Tensor, positions: Tensor, span: int) -> tuple[Tensor, Tensor]:
         return self._step(tokens, positions, span, *self._flat)
 
-    def __call__(self, tokens: Tensor, positions: Tensor, slots: list[int]) -> Tensor:
-        """tokens, positions (batch, 1) of the running rows in cache slots `slots` -> logits (batch, vocab)."""
+    def __call__(self, tokens: Tensor, positions: Tensor, slots: list[int], *,
+                 last_position: int) -> tuple[Tensor, Tensor]:
+        """tokens, positions (batch, 1) of the running rows in cache slots `slots`, the largest of the
+        positions given as an int (the caller has them as ints: no tensor max, no host sync) -> logits
+        (batch, vocab) and the greedy tokens (batch,)."""
         n = row_bucket(max(slots) + 1, slots=self.cache.slots)  # slots go lowest first: usually n ~ batch
+        span = key_bucket(last_position + 1, max_tokens=self.cache.max_tokens)
         if len(slots) == n and slots == list(range(n)):  # the rows already are cache rows 0..n-1, in order
-            span = key_bucket(int(positions.max()) + 1, max_tokens=self.cache.max_tokens)
             return self._full_step(tokens, positions, span)
         full_tokens = torch.zeros(n, 1, dtype=tokens.dtype, device=tokens.device)
         full_positions = torch.zeros(n, 1, dtype=positions.dtype, device=positions.device)
         index = torch.tensor(slots, device=tokens.device)
         full_tokens[index] = tokens
         full_positions[index] = positions
-        span = key_bucket(int(positions.max()) + 1, max_tokens=self.cache.max_tokens)
-        return self._full_step(full_tokens, full_positions, span)[index]
+        logits, greedy = self._full_step(full_tokens, full_positions, span)
+        return logits[index], greedy[index]
