@@ -37,7 +37,6 @@ class Packed:
     index: Tensor  # (tokens,) each token's place in the (prompts * width) right-padded layout
     last: Tensor  # (prompts,) each prompt's last token in the packed sequence
     width: int  # the longest prompt
-    in_order: bool  # slots are 0..prompts-1 in order: the prompts' cache rows are a view
 
     @classmethod
     def of(cls, lengths: list[int], slots: list[int], *, device: torch.device) -> Packed:
@@ -47,8 +46,7 @@ class Packed:
         index = [i * width + p for i, n in enumerate(lengths) for p in range(n)]
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
         return cls(slots=torch.tensor(slots, device=device), token_slots=torch.tensor([token_slots], device=device),
-                   index=torch.tensor(index, device=device), last=last, width=width,
-                   in_order=slots == list(range(len(slots))))
+                   index=torch.tensor(index, device=device), last=last, width=width)
 
 
 def _repeat_kv(keys: Tensor, values: Tensor, heads: int) -> tuple[Tensor, Tensor]:
@@ -77,7 +75,9 @@ def packed_attention(q: Tensor, ck: Tensor, cv: Tensor, packed: Packed) -> Tenso
     padded = q.new_zeros(n * w, h, d)
     padded[packed.index] = q[0]
     q = padded.view(n, w, h, d).transpose(1, 2)  # (prompts, heads, width, head_dim)
-    keys, values = ((c[:n] if packed.in_order else c[packed.slots])[:, :, :w] for c in (ck, cv))
+    # The prompts' rows up to the width, gathered (a copy of only what attention reads; in whichever
+    # slots the prompts sit, so a compiled prefill needs no variant for rows in order).
+    keys, values = (c[packed.slots, :, :w] for c in (ck, cv))
     keys, values = _repeat_kv(keys, values, h)
     # Every prompt starts at position 0 of its row, so query j sees keys 0..j: the plain causal mask.
     # Padded queries (past a prompt's end) see stale keys and are dropped below.

@@ -52,8 +52,10 @@ class Batcher:
         self.decoder, self.cache = decoder, cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        # (tokens, positions, slots) -> logits: the compiled static step (`compiled.py`) when installed.
+        # The compiled steps (`compiled.py`) when installed: (tokens, positions, slots, last_position=) and
+        # (tokens, positions, packed) -> (logits, greedy tokens).
         self.decode_step: Any = None
+        self.prefill_step: Any = None
 
     def submit(self, request: Request) -> Request:
         """Queue a request; it joins the batch at the next step with a free slot. ValueError when its
@@ -99,6 +101,8 @@ class Batcher:
         packed = Packed.of([len(r.prompt) for r in requests], [r.slot for r in requests], device=device)
         tokens = torch.tensor([[t for r in requests for t in r.prompt]], dtype=torch.long, device=device)
         positions = torch.tensor([[p for r in requests for p in range(len(r.prompt))]], device=device)
+        if self.prefill_step is not None:
+            return self._emit(requests, *self.prefill_step(tokens, positions, packed))
         logits = self.decoder(tokens, positions, cache=self.cache.layers, packed=packed)
         return self._emit(requests, logits[:, -1])
 

@@ -1,25 +1,33 @@
-"""The decode step under `torch.compile`: static shapes, so it compiles once per key bucket.
+"""The decode step and the prefill under `torch.compile`.
 
-Called by `batching.Batcher._decode` once `InferenceEngine.compile()` (DeepSpeed's engine method name)
-installed a `StaticDecodeStep`. Eager decoding hands the decoder a batch of however many requests run
-and keys up to the largest position, so every step has new shapes. Here each step is padded to the
-same shapes: the rows are the cache rows 0..R-1 in order (no gather), R the power of two (1, 2, 4, ...
-up to max_batch_size) above the highest running slot (slots are handed out lowest first, so R is about
-the batch), the rows of idle slots decode a dummy token at position 0 of their own free slot (which the
-next prefill overwrites; the result is dropped), and keys run to a bucket of positions (64, 128, 256,
-... up to max_out_tokens). So the graph sees a handful of shapes over an engine's life and compiles once
-for each (`dynamic=False`: fixed shapes give inductor's best code, with no guards on sizes).
+Called by `batching.Batcher` once `InferenceEngine.compile()` (DeepSpeed's engine method name) installed
+a `StaticDecodeStep` and a `CompiledPrefill`.
+
+The decode step runs at static shapes, so it compiles once per key bucket and row bucket. Eager decoding
+hands the decoder a batch of however many requests run and keys up to the largest position, so every
+step has new shapes. Here each step is padded to the same shapes: the rows are the cache rows 0..R-1 in
+order (no gather), R the power of two (1, 2, 4, ... up to max_batch_size) above the highest running slot
+(slots are handed out lowest first, so R is about the batch), the rows of idle slots decode a dummy
+token at position 0 of their own free slot (which the next prefill overwrites; the result is dropped),
+and keys run to a bucket of positions (64, 128, 256, ... up to max_out_tokens). So the graph sees a
+handful of shapes over an engine's life and compiles once for each (`dynamic=False`: fixed shapes give
+inductor's best code, with no guards on sizes). On CPU it is compiled with inductor's C++ wrapper, which
+calls the step's kernels and matmuls without Python in between; its attention is the reduction form of
+`attention.decode_attention`, and it returns the greedy tokens with the logits.
+
+The prefill is packed (`attention.Packed`: prompts end to end), so its only varying sizes are the token
+count, the prompt count and the widest prompt; it is compiled with `dynamic=True` and measured 2 graphs
+over any mix of prompts (one for a single prompt, where torch specializes the size-1 prompt count, one
+for several). Before packing, a compiled prefill of right-padded (batch, width) prompts recompiled for
+each new shape (15 graphs for a handful).
 
 Where it pays: many small ops per step (small and medium models on CPU, where eager spends much of its
-time in per-op dispatch; measured on benchmarks/inference.py's Llama, with `replace_with_kernel_inject`,
-against HF `generate`: 1.97x at batch 1 and 1.66x at batch 16 in fp32, where the matmuls then take most
-of the step, and 1.95x / 1.96x in bf16); inductor fuses the norms, rotary, masks and residual adds
-around the matmuls. Where it does not: a batch just above a power of two or with a high slot left
-running (the idle rows up to R are computed too), attention over a bucket far longer than the live
-sequences, large models whose step time is matmul-bound anyway, and short-lived engines, since the
-first step of each bucket compiles (tens of seconds on CPU). Prefill stays eager: prompt shapes differ
-per request, and a compiled prefill recompiles for new ones (measured: 15 graphs for a handful of
-prompt shapes under `dynamic=True`), for about 4% of a generate at batch 16.
+time in per-op dispatch; measured on benchmarks/inference.py's Llama, with `replace_with_kernel_inject`:
+see that benchmark's docstring for the figures); inductor fuses the norms, rotary, attention, masks and
+residual adds around the matmuls. Where it does not: a batch just above a power of two or with a high
+slot left running (the idle rows up to R are computed too), attention over a bucket far longer than the
+live sequences, large models whose step time is matmul-bound anyway, and short-lived engines, since the
+first call of each graph compiles (tens of seconds on CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from deepfleet.engine.inference.attention import Packed
 from deepfleet.engine.inference.cache import KVCache
 from deepfleet.engine.inference.decoder import Decoder
 
@@ -103,3 +112,33 @@ class StaticDecodeStep:
         full_positions[index] = positions
         logits, greedy = self._full_step(full_tokens, full_positions, span)
         return logits[index], greedy[index]
+
+
+class _Prefill(nn.Module):
+    """A packed prefill, the fields of its `Packed` and the cache given as arguments (graph inputs)."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, token_slots: Tensor, index: Tensor,
+                last: Tensor, width: int, *cache: Tensor) -> tuple[Tensor, Tensor]:
+        # tokens, positions (1, tokens) -> each prompt's last logits (prompts, vocab), greedy (prompts,)
+        layers = list(zip(cache[0::2], cache[1::2], strict=True))
+        packed = Packed(slots=slots, token_slots=token_slots, index=index, last=last, width=width)
+        logits = self.decoder(tokens, positions, cache=layers, packed=packed)[:, -1]
+        return logits, logits.float().argmax(-1)
+
+
+class CompiledPrefill:
+    """The packed prefill under torch.compile with dynamic sizes (see the module docstring)."""
+
+    def __init__(self, decoder: Decoder, cache: KVCache, *, backend: str = "inductor",
+                 compile_kwargs: dict[str, Any] | None = None) -> None:
+        self._flat = [t for kv in cache.layers for t in kv]
+        self._step = torch.compile(_Prefill(decoder), backend=backend, dynamic=True, **(compile_kwargs or {}))
+
+    def __call__(self, tokens: Tensor, positions: Tensor, packed: Packed) -> tuple[Tensor, Tensor]:
+        """tokens, positions (1, tokens) laid out as `packed` says -> logits (prompts, vocab), greedy (prompts,)."""
+        return self._step(tokens, positions, packed.slots, packed.token_slots, packed.index, packed.last,
+                          packed.width, *self._flat)
