@@ -93,7 +93,7 @@ class InferenceEngine(nn.Module):
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
         """DeepSpeed's `engine.compile(backend, compile_kwargs)`: run every decode step through
         `torch.compile` at static shapes and every prefill at dynamic ones (`compiled.py` says where it
-        pays). Greedy tokens stay those of the eager steps; the first step of each key bucket compiles."""
+        pays). Greedy tokens stay those of the eager steps; the first step of each row bucket compiles."""
         from deepfleet.engine.inference.compiled import CompiledPrefill, StaticDecodeStep
 
         self.batcher.decode_step = StaticDecodeStep(self.module, self.cache, backend=backend,

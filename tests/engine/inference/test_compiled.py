@@ -1,8 +1,8 @@
 """`InferenceEngine.compile()`: the static-shape decode step and the dynamic-shape packed prefill under
 torch.compile give the same greedy tokens as HF `generate` (left-padded mixed lengths, kernel inject on
 and off), requests that join between steps and use fewer rows than the cache has slots get their own
-tokens, the step compiles once per key bucket and row bucket (no recompiles from each batch size or
-position), and the prefill takes any mix of prompts in two graphs."""
+tokens, the step compiles once per row bucket (no recompiles from each batch size or position), and the
+prefill takes any mix of prompts in two graphs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from deepfleet.engine import init_inference
-from deepfleet.engine.inference.compiled import key_bucket, row_bucket
+from deepfleet.engine.inference.compiled import row_bucket
 from tests.engine.inference.models import hf_model, left_padded, prompts
 
 pytest.importorskip("transformers")
@@ -21,8 +21,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")]
 
 
-def test_key_buckets_double_from_64_and_stop_at_the_cache_length() -> None:
-    assert [key_bucket(n, max_tokens=300) for n in (1, 64, 65, 129, 257, 300)] == [64, 64, 128, 256, 300, 300]
+def test_row_buckets_are_powers_of_two_capped_at_the_slots() -> None:
     assert [row_bucket(n, slots=6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
 
 
@@ -50,8 +49,8 @@ def test_compiled_decode_is_token_identical_to_hf_generate(inject: bool) -> None
         alone = model.generate(torch.tensor([row]), max_new_tokens=request.max_new_tokens, do_sample=False,
                                pad_token_id=0, eos_token_id=None)
         assert request.tokens == alone[0, len(row):].tolist()
-    # Decode: rows 0..3 (the padded batch of 4), then 0..1 (one or two running), at one 48-position key
-    # bucket: one graph per row bucket, none recompiled. Prefill: one graph for 4 prompts, one for 1.
+    # Decode: rows 0..3 (the padded batch of 4), then 0..1 (one or two running), keys up to every live
+    # length: one graph per row bucket, none recompiled. Prefill: one graph for 4 prompts, one for 1.
     assert counters["stats"]["unique_graphs"] <= 3 + 2
 
 
