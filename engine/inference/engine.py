@@ -7,7 +7,7 @@ convert to the static-cache decoder (`architectures.py`) -> shard over the `tp` 
 (`tensor_parallel.py`; full weights are needed to cut them) -> with replace_with_kernel_inject, fused
 kernels and fused q/k/v and gate/up projections (of the shards) -> quantize the linears
 (`quantize.py`; each rank quantizes only its shard, fused or not) -> with replace_with_kernel_inject,
-the float projections left are stored transposed for the CPU matmul (`decoder.MatmulLinear`) ->
+the fp32 projections left are stored transposed for the CPU matmul (`decoder.MatmulLinear`) ->
 allocate the KV cache (its widths are the sharded ones).
 
 `engine.forward(input_ids, attention_mask=None)` returns what the wrapped model returns (Hugging Face:
@@ -81,7 +81,7 @@ class InferenceEngine(nn.Module):
 
             group_size = config.quant.weight.group_size if config.quant is not None else 64
             quantize_decoder(decoder, bits=config.weight_bits, group_size=group_size)
-        # After quantization, which takes the nn.Linear layers it quantizes; the float ones left get
+        # After quantization, which takes the nn.Linear layers it quantizes; the fp32 ones left get
         # the transposed layout the CPU matmul reads fastest.
         decoder.use_matmul_layout(config.replace_with_kernel_inject)
         self.module = decoder.eval()
