@@ -79,3 +79,16 @@ def test_kernel_inject_leaves_a_head_tied_to_the_embedding_as_it_is():
     ids = torch.tensor(prompts(2, low=5, high=6))
     ref = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(fused.generate(ids, max_new_tokens=6, pad_token_id=0), ref)
+
+
+def test_the_transposed_layout_is_kept_off_past_its_weight_budget():
+    pytest.importorskip("transformers")
+    from deepfleet.engine import init_inference
+    from tests.engine.inference.models import hf_model
+
+    engine = init_inference(hf_model("llama"), dtype=torch.float32)  # plain: the projections stay nn.Linear
+    engine.module.use_fused_kernels(True)
+    engine.module.use_matmul_layout(True, max_bytes=1024)  # far below the tiny model's weights
+    assert type(engine.module.layers[0].qkv) is nn.Linear and type(engine.module.head) is nn.Linear
+    engine.module.use_matmul_layout(True)
+    assert type(engine.module.layers[0].qkv) is MatmulLinear and type(engine.module.head) is MatmulLinear
