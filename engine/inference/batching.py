@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deepfleet.engine.inference.attention import Packed
 from deepfleet.engine.inference.cache import KVCache
 from deepfleet.engine.inference.decoder import Decoder
 from deepfleet.engine.inference.sampling import Sampling, next_token
@@ -51,8 +52,10 @@ class Batcher:
         self.decoder, self.cache = decoder, cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        # (tokens, positions, slots) -> logits: the compiled static step (`compiled.py`) when installed.
+        # The compiled steps (`compiled.py`) when installed: (tokens, positions, slots, last_position=) and
+        # (tokens, positions, packed) -> (logits, greedy tokens).
         self.decode_step: Any = None
+        self.prefill_step: Any = None
 
     def submit(self, request: Request) -> Request:
         """Queue a request; it joins the batch at the next step with a free slot. ValueError when its
@@ -93,32 +96,37 @@ class Batcher:
         return self.cache.layers[0][0].device
 
     def _prefill(self, requests: list[Request]) -> list[tuple[Request, int]]:
+        # The prompts end to end, (1, tokens): no padding through the projections and the MLP.
         device = self._device()
-        width = max(len(r.prompt) for r in requests)
-        tokens = torch.zeros(len(requests), width, dtype=torch.long, device=device)
-        for i, r in enumerate(requests):
-            tokens[i, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
-        positions = torch.arange(width, device=device).expand(len(requests), width)
-        slots = torch.tensor([r.slot for r in requests], device=device)
-        last = torch.tensor([len(r.prompt) - 1 for r in requests], device=device)
-        logits = self.decoder(tokens, positions, cache=self.cache.layers, slots=slots, take=last, span=width)
+        packed = Packed.of([len(r.prompt) for r in requests], [r.slot for r in requests], device=device)
+        tokens = torch.tensor([[t for r in requests for t in r.prompt]], dtype=torch.long, device=device)
+        positions = torch.tensor([[p for r in requests for p in range(len(r.prompt))]], device=device)
+        if self.prefill_step is not None:
+            return self._emit(requests, *self.prefill_step(tokens, positions, packed))
+        logits = self.decoder(tokens, positions, cache=self.cache.layers, packed=packed)
         return self._emit(requests, logits[:, -1])
 
     def _decode(self, requests: list[Request]) -> list[tuple[Request, int]]:
         device = self._device()
+        at = [len(r.prompt) + len(r.tokens) - 1 for r in requests]  # each row's position
         tokens = torch.tensor([[r.tokens[-1]] for r in requests], device=device)
-        positions = torch.tensor([[len(r.prompt) + len(r.tokens) - 1] for r in requests], device=device)
+        positions = torch.tensor([[p] for p in at], device=device)
         if self.decode_step is not None:
-            return self._emit(requests, self.decode_step(tokens, positions, [r.slot for r in requests]))
+            logits, greedy = self.decode_step(tokens, positions, [r.slot for r in requests], last_position=max(at))
+            return self._emit(requests, logits, greedy)
         slots = torch.tensor([r.slot for r in requests], device=device)
         logits = self.decoder(tokens, positions, cache=self.cache.layers, slots=slots)
         return self._emit(requests, logits[:, -1])
 
-    def _emit(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[Request, int]]:
+    def _emit(self, requests: list[Request], logits: torch.Tensor,
+              greedy: torch.Tensor | None = None) -> list[tuple[Request, int]]:
+        """`greedy` (batch,): the greedy tokens when the step computed them already."""
         made = []
-        # max(-1).indices in fp32: the same first index of the maximum as argmax (both documented so),
-        # ~5x faster on CPU than argmax, and bf16/fp16 -> fp32 is exact
-        greedy = logits.float().max(-1).indices.tolist()
+        if greedy is None:
+            # max(-1).indices in fp32: the same first index of the maximum as argmax (both documented
+            # so), ~5x faster on CPU than argmax, and bf16/fp16 -> fp32 is exact
+            greedy = logits.float().max(-1).indices
+        greedy = greedy.tolist()
         for i, r in enumerate(requests):
             token = greedy[i] if not r.sampling.do_sample else next_token(logits[i], r.sampling, r.generator)
             r.tokens.append(token)

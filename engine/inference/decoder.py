@@ -11,10 +11,12 @@ per-architecture policies. The kernels' dispatcher (`use_triton`) is asked per c
 run the torch reference (CPU), the same math runs inline here instead of behind the custom-op
 boundary, which measured 0.7-0.8x of inline speed on a small model's decode step.
 
-Shapes: tokens and positions (batch, seq); hidden (batch, seq, hidden); q (batch, heads, seq,
-head_dim); a layer's cache (slots, kv_heads, max_tokens, head_dim). Attention masks every key whose
-position is after the query's, so rows of a batch may sit at different positions; keys written past
-a row's length (right padding of a prefill) are masked until they are overwritten.
+Shapes: tokens and positions (batch, seq), or (1, tokens) for a packed prefill (its prompts end to
+end, `attention.Packed`); hidden (batch, seq, hidden); q (batch, seq, heads, head_dim); a layer's
+cache (slots, kv_heads, max_tokens, head_dim). Attention masks every key whose position is after the
+query's, so rows of a batch may sit at different positions; cache positions past a row's length hold
+stale keys from the slot's earlier request, masked until they are overwritten. `attention.py` holds
+the attention forms (masked, packed prefill, one-query decode) and says which call uses which.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from deepfleet.engine.inference.attention import (
+    Packed,
+    cache_rows,
+    decode_attention,
+    masked_attention,
+    packed_attention,
+)
 from deepfleet.kernels._dispatch import use_triton
 from deepfleet.kernels.layer_norm import layer_norm
 from deepfleet.kernels.rms_norm import rms_norm
@@ -32,6 +41,11 @@ from deepfleet.kernels.rope import rope, rope_cos_sin
 from deepfleet.kernels.swiglu import swiglu
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "swiglu")
+PROJECTIONS = ("q", "k", "v", "qkv", "o", "up", "down", "gate", "gate_up")  # a Layer's linear-like modules
+# The transposed layout (MatmulLinear) pays only while a decode step's weights stay in the CPU's caches:
+# measured on one core here, a batch-16 step's matmuls over 4 layers took 0.72x the time at 17 MB of
+# weights (width 256), 1.09x at 59 MB (width 512) and 0.99x at 218 MB (width 1024, memory-bound).
+MATMUL_LAYOUT_MAX_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,9 @@ class Layer(nn.Module):
         self.qkv: nn.Module | None = None  # q|k|v in one projection, set by fuse_projections
         self.gate_up: nn.Module | None = None
         self.splits: list[int] | None = None
+        # One-query decode attention as fused reductions instead of SDPA (attention.py): set for the
+        # compiled static step, where inductor fuses it; eager it is slower.
+        self.reduce_decode_attention = False
 
     def fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up (fewer, larger calls per decode step), when they are
@@ -120,9 +137,10 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, *, rotary: tuple[Tensor, Tensor] | None,
                 cache: tuple[Tensor, Tensor] | None, slots: Tensor | None, key_mask: Tensor | None,
-                span: int | None = None) -> Tensor:
+                span: int | None = None, packed: Packed | None = None) -> Tensor:
         """`slots` None: the batch is cache rows 0..batch-1 in order; `span` None: keys up to the largest
-        position (the static decode step passes both, so it has no data-dependent shapes)."""
+        position (the static decode step passes both, so it has no data-dependent shapes); `packed`: x is
+        a prefill's prompts end to end, (1, tokens, hidden), laid out as it says (`attention.py`)."""
         b, t, _ = x.shape
         a = self.norm1(x)
         # Head counts come from the (possibly sharded or pruned) projection widths.
@@ -132,29 +150,39 @@ class Layer(nn.Module):
             fused = self.fused and _triton(self, q, *rotary)
             q, k = _rotate(q, rotary, fused=fused), _rotate(k, rotary, fused=fused)
         if cache is None:  # the whole sequence at once, no cache (InferenceEngine.forward)
-            keys, values, key_pos = k, v, positions
+            att = masked_attention(q, k.transpose(1, 2), v.transpose(1, 2), _visible(positions, positions, key_mask))
+            x = x + self.o(att)
+            return x + self.mlp(self.norm2(x))
+        ck, cv = cache
+        if packed is not None:
+            rows = packed.token_slots  # (1, tokens)
         else:
-            ck, cv = cache
             rows = (torch.arange(b, device=x.device) if slots is None else slots)[:, None]  # (batch, 1)
-            ck[rows, :, positions] = k.to(ck.dtype)  # indexed shape (batch, seq, kv_heads, head_dim)
-            cv[rows, :, positions] = v.to(cv.dtype)
+        ck[rows, :, positions] = k.to(ck.dtype)  # indexed shape (batch, seq, kv_heads, head_dim)
+        cv[rows, :, positions] = v.to(cv.dtype)
+        if packed is not None:
+            att = packed_attention(q, ck, cv, packed)
+        else:
             span = int(positions.max()) + 1 if span is None else span
-            kc, vc = (ck[:b], cv[:b]) if slots is None else (_rows(ck, slots), _rows(cv, slots))
-            keys = kc[:, :, :span].transpose(1, 2)  # (batch, span, kv_heads, head_dim)
-            values = vc[:, :, :span].transpose(1, 2)
-            key_pos = torch.arange(span, device=x.device).expand(b, span)
-        # (batch, 1, seq, keys): a key is visible when it is not after the query (and is not padding)
-        mask = key_pos[:, None, None, :] <= positions[:, None, :, None]
-        if key_mask is not None:
-            mask = mask & key_mask[:, None, None, :]
-            mask = mask | torch.eye(t, dtype=torch.bool, device=x.device)  # padded queries see themselves
-        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
-        if keys.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves several q heads
-            rep = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-        att = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, -1))
+            kc, vc = (ck[:b], cv[:b]) if slots is None else (cache_rows(ck, slots), cache_rows(cv, slots))
+            keys, values = kc[:, :, :span], vc[:, :, :span]  # (batch, kv_heads, span, head_dim)
+            if t == 1 and self.reduce_decode_attention:
+                att = decode_attention(q, keys, values, positions)
+            else:
+                key_pos = torch.arange(span, device=x.device).expand(b, span)
+                att = masked_attention(q, keys, values, _visible(key_pos, positions, key_mask))
+        x = x + self.o(att)
         return x + self.mlp(self.norm2(x))
+
+
+def _visible(key_pos: Tensor, positions: Tensor, key_mask: Tensor | None) -> Tensor:
+    """(batch, 1, seq, keys): a key is visible when it is not after the query (and is not padding)."""
+    mask = key_pos[:, None, None, :] <= positions[:, None, :, None]
+    if key_mask is not None:
+        t = positions.shape[1]
+        mask = mask & key_mask[:, None, None, :]
+        mask = mask | torch.eye(t, dtype=torch.bool, device=positions.device)  # padded queries see themselves
+    return mask
 
 
 def _triton(module: nn.Module, *tensors: Tensor) -> bool:
@@ -177,18 +205,40 @@ def frozen_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
     return lin
 
 
+class MatmulLinear(nn.Module):
+    """nn.Linear's y = x W^T + b with W kept transposed, (in_features, out_features) contiguous, so the
+    matmul reads it without a transpose. Why: on CPU, fp32 GEMM at a decode step's few rows ran ~25%
+    faster on this layout on the benchmark's batch-16 step (width 256), the same at 1 row and at prefill
+    sizes; only while the weights stay in cache (MATMUL_LAYOUT_MAX_BYTES). `weight` is the (out, in)
+    view, as nn.Linear's."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features)  # (rows, in)
+        y = flat @ self.weight_t if self.bias is None else torch.addmm(self.bias, flat, self.weight_t)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _plain_host_linear(module: nn.Module) -> bool:
+    """An fp32 nn.Linear whose weight is an ordinary CPU tensor (not a tensor-parallel DTensor shard).
+    fp32 only: bf16 gained ~6% on this layout at width 256 but ran 1.5x slower at width 1024."""
+    return (type(module) is nn.Linear and type(module.weight) is nn.Parameter and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32)
+
+
 def _cat(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
     bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
     return frozen_linear(weight, bias)
-
-
-def _rows(cache: Tensor, slots: Tensor) -> Tensor:
-    """The cache rows of `slots`: a view when they are 0..n-1 in order (the common case), else a copy."""
-    n = slots.shape[0]
-    if n <= cache.shape[0] and bool((slots == torch.arange(n, device=slots.device)).all()):
-        return cache[:n]
-    return cache[slots]
 
 
 def _rotate(x: Tensor, rotary: tuple[Tensor, Tensor], *, fused: bool) -> Tensor:
@@ -231,6 +281,23 @@ class Decoder(nn.Module):
             for layer in self.layers:
                 layer.fuse_projections()
 
+    def use_matmul_layout(self, on: bool, *, max_bytes: int = MATMUL_LAYOUT_MAX_BYTES) -> None:
+        """With kernel injection, on CPU: every fp32 nn.Linear projection still left (after fusion and
+        quantization) and an untied head become `MatmulLinear`, when those weights add up to at most
+        `max_bytes` (see MATMUL_LAYOUT_MAX_BYTES). The decoder then holds its own copies of them, as it
+        already did of the fused ones; a head tied to the embedding is left as it is (a transposed copy
+        of the vocabulary table would cost its size again)."""
+        if not on:
+            return
+        slots = [(layer, name) for layer in self.layers for name in PROJECTIONS
+                 if _plain_host_linear(getattr(layer, name))]
+        if _plain_host_linear(self.head) and self.head.weight is not getattr(self.embed, "weight", None):
+            slots.append((self, "head"))
+        if sum(getattr(owner, name).weight.nbytes for owner, name in slots) > max_bytes:
+            return
+        for owner, name in slots:
+            setattr(owner, name, MatmulLinear(getattr(owner, name)))
+
     def pin_kernels(self) -> None:
         """Fix the dispatcher's choice (Triton or the inline torch math) for every fused module now, as it
         answers for this decoder's weights; `compiled.py` calls it before tracing the step."""
@@ -241,9 +308,10 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, *, cache: list[tuple[Tensor, Tensor]] | None = None,
                 slots: Tensor | None = None, key_mask: Tensor | None = None, take: Tensor | None = None,
-                span: int | None = None) -> Tensor:
+                span: int | None = None, packed: Packed | None = None) -> Tensor:
         """`take` (batch,): keep only that sequence index of each row (the last real token of a prefill);
-        `slots`, `span`: as `Layer.forward` (with a cache, `slots` None means rows 0..batch-1)."""
+        `slots`, `span`, `packed`: as `Layer.forward` (with a cache, `slots` None means rows 0..batch-1).
+        A packed prefill: tokens and positions (1, tokens), logits (prompts, 1, vocab) at `packed.last`."""
         spec = self.spec
         x = self.embed(tokens)
         if self.pos is not None:
@@ -254,8 +322,10 @@ class Decoder(nn.Module):
             rotary = (self.rope_cos[flat], self.rope_sin[flat])
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rotary=rotary, cache=None if cache is None else cache[i], slots=slots,
-                      key_mask=key_mask, span=span)
-        if take is not None:
+                      key_mask=key_mask, span=span, packed=packed)
+        if packed is not None:
+            take = packed.last
+        if take is not None:  # (batch, seq) or, packed, (1, tokens): the row index broadcasts
             x = x[torch.arange(x.shape[0], device=x.device), take][:, None]
         if self.norm_f is not None:
             x = self.norm_f(x)

@@ -6,8 +6,9 @@ before: load `checkpoint` into the model (weights by the model's own names) -> c
 convert to the static-cache decoder (`architectures.py`) -> shard over the `tp` ranks
 (`tensor_parallel.py`; full weights are needed to cut them) -> with replace_with_kernel_inject, fused
 kernels and fused q/k/v and gate/up projections (of the shards) -> quantize the linears
-(`quantize.py`; each rank quantizes only its shard, fused or not) -> allocate the KV cache (its widths
-are the sharded ones).
+(`quantize.py`; each rank quantizes only its shard, fused or not) -> with replace_with_kernel_inject,
+the fp32 projections left are stored transposed for the CPU matmul (`decoder.MatmulLinear`) ->
+allocate the KV cache (its widths are the sharded ones).
 
 `engine.forward(input_ids, attention_mask=None)` returns what the wrapped model returns (Hugging Face:
 an output with `.logits`; the example GPT: the logits tensor); `engine.generate(...)` takes Hugging
@@ -80,6 +81,9 @@ class InferenceEngine(nn.Module):
 
             group_size = config.quant.weight.group_size if config.quant is not None else 64
             quantize_decoder(decoder, bits=config.weight_bits, group_size=group_size)
+        # After quantization, which takes the nn.Linear layers it quantizes; the fp32 ones left get
+        # the transposed layout the CPU matmul reads fastest.
+        decoder.use_matmul_layout(config.replace_with_kernel_inject)
         self.module = decoder.eval()
         self.cache = KVCache(decoder, slots=config.max_batch_size, max_tokens=config.max_out_tokens, dtype=self.dtype)
         self.batcher = Batcher(decoder, self.cache)
@@ -88,11 +92,13 @@ class InferenceEngine(nn.Module):
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
         """DeepSpeed's `engine.compile(backend, compile_kwargs)`: run every decode step through
-        `torch.compile` at static shapes (`compiled.py` says where it pays). Greedy tokens stay those of
-        the eager step; the first step of each key bucket compiles."""
-        from deepfleet.engine.inference.compiled import StaticDecodeStep
+        `torch.compile` at static shapes and every prefill at dynamic ones (`compiled.py` says where it
+        pays). Greedy tokens stay those of the eager steps; the first step of each row bucket compiles."""
+        from deepfleet.engine.inference.compiled import CompiledPrefill, StaticDecodeStep
 
         self.batcher.decode_step = StaticDecodeStep(self.module, self.cache, backend=backend,
+                                                    compile_kwargs=compile_kwargs)
+        self.batcher.prefill_step = CompiledPrefill(self.module, self.cache, backend=backend,
                                                     compile_kwargs=compile_kwargs)
 
     @property

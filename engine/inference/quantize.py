@@ -25,9 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from deepfleet.engine.inference.decoder import Decoder
-
-PROJECTIONS = ("q", "k", "v", "qkv", "o", "up", "down", "gate", "gate_up")
+from deepfleet.engine.inference.decoder import PROJECTIONS, Decoder
 
 
 class Int8Linear(nn.Module):

@@ -8,6 +8,7 @@ import torch
 
 from deepfleet.engine import init_inference
 from deepfleet.engine.compression.generate import greedy_generate
+from deepfleet.engine.inference.decoder import MatmulLinear
 from deepfleet.engine.inference.sampling import Sampling
 from tests.engine.inference.models import HF_ARCHS, example_gpt, hf_model, left_padded, prompts
 
@@ -134,10 +135,16 @@ def test_kernel_inject_routes_through_deepfleet_kernels_with_the_same_tokens():
     plain = init_inference(model, dtype=torch.float32).generate(ids, max_new_tokens=8)
     fused = init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)
     assert all(m.fused and m.qkv is not None and m.gate_up is not None for m in fused.module.layers)
+    # and every fp32 projection and the untied head read their weights transposed (MatmulLinear)
+    assert all(type(getattr(m, name)) is MatmulLinear for m in fused.module.layers for name in ("qkv", "o", "gate_up",
+                                                                                              "down"))
+    assert type(fused.module.head) is MatmulLinear
     assert torch.equal(fused.generate(ids, max_new_tokens=8), plain)
     q8 = init_inference(model, dtype=torch.int8, replace_with_kernel_inject=True)  # fused, then quantized
     assert type(q8.module.layers[0].qkv).__name__ == "Int8Linear"
     assert q8.generate(ids, max_new_tokens=8).shape == plain.shape
+    bf16 = init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True)  # casts `model` too
+    assert type(bf16.module.layers[0].o) is torch.nn.Linear and type(bf16.module.head) is torch.nn.Linear
 
 
 def test_kernel_inject_runs_the_triton_kernels_when_the_dispatcher_selects_them():
