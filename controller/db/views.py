@@ -98,7 +98,7 @@ def _listed() -> tuple[Any, ...]:
 
 @cache
 def _page(shape: tuple[bool, bool, bool, int], after: bool) -> Select[Any]:
-    total = _filtered(select(func.count(Job.id)), *shape).scalar_subquery()
+    total = _filtered(select(func.count()).select_from(Job), *shape).scalar_subquery()
     query = (_filtered(select(*_listed(), total.label("total")), *shape)
              .order_by(Job.created_at.desc(), Job.id.desc()).limit(bindparam("limit", type_=Integer)))
     if after:
@@ -109,7 +109,7 @@ def _page(shape: tuple[bool, bool, bool, int], after: bool) -> Select[Any]:
 
 @cache
 def _count(shape: tuple[bool, bool, bool, int]) -> Select[Any]:
-    return _filtered(select(func.count(Job.id)), *shape)
+    return _filtered(select(func.count()).select_from(Job), *shape)
 
 
 def list_jobs(
