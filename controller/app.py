@@ -159,6 +159,7 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
     app.add_middleware(health.BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     # Outermost of these: a request waits for a slot before it is read or timed (the security headers
     # wrap even this, see _App).
-    app.add_middleware(RequestGate, limit=limit, queue_timeout_s=settings.queue_timeout_s)
+    app.add_middleware(RequestGate, limit=limit, queue_timeout_s=settings.queue_timeout_s,
+                       shed=settings.api_processes > 1)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

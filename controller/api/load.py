@@ -50,23 +50,27 @@ class RequestGate:
     with a NUL byte is answered 422 here (PostgreSQL cannot store or compare one).
 
     Reads go first: a freed slot passes to the oldest waiting GET before any waiting write, so listings
-    and job details do not queue behind submits (whose parsing costs several times a read's CPU); a write
-    waits at most `queue_timeout_s` like any request.
+    and job details do not queue behind submits (whose parsing costs several times a read's CPU). Writes
+    are not starved: while they wait, every `limit + 1`-th freed slot is theirs, and like any request a
+    write waits at most `queue_timeout_s`.
 
-    A saturated process sheds connections: while requests wait for a slot, each answer it sends closes its
-    keep-alive connection (`Connection: close`), so that client's next request connects anew and the
-    kernel hands it to whichever API process accepts first, the least busy one (see `ApiProcesses`).
-    Without it, connections stay where they first landed: an event loop accepts every pending connection
-    at once, so one process of several could hold every client of a burst for as long as they stay."""
+    With `shed` (one of several API processes), a saturated process sheds connections: while requests
+    wait for a slot, each answer it sends closes its keep-alive connection (`Connection: close`), so that
+    client's next request connects anew and the kernel hands it to whichever API process accepts first,
+    the least busy one (see `ApiProcesses`). Without it, connections stay where they first landed: an
+    event loop accepts every pending connection at once, so one process of several held every client of
+    a burst for as long as they stayed (all the reads and submits of `benchmarks/controller_load.py`)."""
 
-    def __init__(self, app: ASGIApp, *, limit: int, queue_timeout_s: float) -> None:
+    def __init__(self, app: ASGIApp, *, limit: int, queue_timeout_s: float, shed: bool = False) -> None:
         self.app = app
         self.limit = limit
         self.queue_timeout_s = queue_timeout_s
+        self.shed = shed
         self._free = limit
         # Futures of the requests waiting for a slot (made on the server's event loop, where they wait).
         self._reads: deque[asyncio.Future[None]] = deque()
         self._writes: deque[asyncio.Future[None]] = deque()
+        self._reads_first = 0  # slots passed to reads in a row while writes waited
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -84,7 +88,7 @@ class RequestGate:
             return
 
         async def shedding(message: Message) -> None:
-            if message["type"] == "http.response.start" and (self._reads or self._writes):
+            if message["type"] == "http.response.start" and self.shed and (self._reads or self._writes):
                 message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
@@ -117,13 +121,22 @@ class RequestGate:
         return True
 
     def _release(self) -> None:
-        for queue in (self._reads, self._writes):
-            while queue:
-                waiter = queue.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)  # the slot passes to it
-                    return
-        self._free += 1
+        _drop_done(self._reads)
+        _drop_done(self._writes)
+        if self._reads and not (self._writes and self._reads_first >= self.limit):
+            self._reads_first = self._reads_first + 1 if self._writes else 0
+            self._reads.popleft().set_result(None)  # the slot passes to it
+        elif self._writes:
+            self._reads_first = 0
+            self._writes.popleft().set_result(None)
+        else:
+            self._free += 1
+
+
+def _drop_done(queue: deque[asyncio.Future[None]]) -> None:
+    """Drop the waiters that gave up (timed out or cancelled) from the head of `queue`."""
+    while queue and queue[0].done():
+        queue.popleft()
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

@@ -56,7 +56,7 @@ def test_the_gate_sheds_load_with_429_and_lets_health_through() -> None:
     assert nul.status_code == 422 and "NUL" in nul.json()["errors"][0]
 
 
-def _gated(limit: int) -> tuple[RequestGate, list[str], dict[str, asyncio.Event]]:
+def _gated(limit: int, *, shed: bool = True) -> tuple[RequestGate, list[str], dict[str, asyncio.Event]]:
     """A gate in front of an app whose requests each wait for their own event (by path) to finish."""
     entered: list[str] = []
     finish: dict[str, asyncio.Event] = {}
@@ -67,7 +67,7 @@ def _gated(limit: int) -> tuple[RequestGate, list[str], dict[str, asyncio.Event]
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    return RequestGate(app, limit=limit, queue_timeout_s=5), entered, finish
+    return RequestGate(app, limit=limit, queue_timeout_s=5, shed=shed), entered, finish
 
 
 async def _until(condition) -> None:
@@ -103,6 +103,31 @@ def test_reads_take_a_freed_slot_before_waiting_writes_and_busy_answers_close_th
     # the last one answered with nobody waiting keeps its connection.
     assert [answers[k].headers.get("connection") for k in ("first", "read", "write")] == ["close", "close", None]
     assert gate._free == 1
+
+
+def test_waiting_writes_get_every_other_slot_past_the_limit_and_one_process_never_sheds() -> None:
+    gate, entered, finish = _gated(limit=1, shed=False)
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://t") as c:
+            tasks = [asyncio.create_task(c.get("/r0"))]
+            await _until(lambda: entered == ["/r0"])
+            tasks.append(asyncio.create_task(c.post("/w1")))
+            await _until(lambda: len(gate._writes) == 1)
+            for i in range(1, 4):
+                tasks.append(asyncio.create_task(c.get(f"/r{i}")))
+                await _until(lambda i=i: len(gate._reads) == i)
+            for _ in range(5):
+                n = len(entered)
+                finish[entered[-1]].set()
+                if n < 5:
+                    await _until(lambda n=n: len(entered) == n + 1)
+            return await asyncio.gather(*tasks)
+
+    answers = asyncio.run(scenario())
+    # limit 1: one read goes ahead of the waiting write, then the write, then the other reads.
+    assert entered == ["/r0", "/r1", "/w1", "/r2", "/r3"]
+    assert all(r.status_code == 200 and "connection" not in r.headers for r in answers)
 
 
 def test_a_waiter_that_leaves_or_times_out_gives_no_slot_away() -> None:
