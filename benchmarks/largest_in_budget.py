@@ -163,14 +163,16 @@ def rank_run(args: argparse.Namespace) -> None:
 
     losses = [step(0)]  # the first step allocates the optimizer state; the second is measured
     with LiveStorages() as live:
-        live.track(reachable_tensors(engine))  # parameters, gradients, optimizer state, flat buffers
+        # parameters, gradients, optimizer state, flat buffers; followed through in-place resizes
+        # (FSDP2's gathered units and NVMe-offloaded shards change size without an op)
+        live.track(reachable_tensors(engine), follow_resizes=True)
         if args.impl == "deepfleet":
-            from deepfleet.engine.memory import _fsdp_unsharded, fsdp_modules
+            from deepfleet.engine.memory import _fsdp_unsharded, fsdp_modules, fsdp_resized_buffers
 
-            for tensors in engine.sharding.model_state_tensors().values():
-                live.track(tensors)
-            for tensors in _fsdp_unsharded(fsdp_modules(engine.sharding.module)):
-                live.track(tensors)
+            fsdp = fsdp_modules(engine.sharding.module)
+            for tensors in (*engine.sharding.model_state_tensors().values(), *_fsdp_unsharded(fsdp),
+                            fsdp_resized_buffers(fsdp)):
+                live.track(tensors, follow_resizes=True)
         start = live.current
         losses.append(step(1))
     gathered = [None] * WORLD

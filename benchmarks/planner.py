@@ -1,6 +1,8 @@
 """Planner accuracy: the per-rank peak-memory estimate of `deepfleet plan` against the high-water mark
 measured on 2 gloo ranks over a steady training step, for ZeRO stages 0-3 x activation checkpointing
-on/off x two model sizes, and stages 1-3 with the optimizer state offloaded to NVMe files (the runs of `tests/engine/planner_runs.py`). One JSON line per config and a
+on/off x two model sizes, stages 1-3 with the optimizer state offloaded to NVMe files, and stage 3 with
+the parameter shards there too (the runs of `tests/engine/planner_runs.py`, whose tracker follows FSDP2's
+in-place resizes). One JSON line per config and a
 summary line with the largest error.
 
 Usage: .venv/bin/python benchmarks/planner.py
@@ -19,34 +21,27 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from deepfleet.engine.config import load_config
-    from deepfleet.engine.planner.estimate import Choice, estimate
-    from deepfleet.engine.planner.profile import profile_model
-    from tests.engine.planner_runs import SIZES, engine_config, gpt, measure_table
+    from tests.engine.planner_runs import measure_table, planned, profile, table_cases
     from tests.spawn import spawn
 
-    cases = [(size, stage, ckpt) for size in SIZES for stage in range(4) for ckpt in (False, True)]
-    cases += [(size, stage, ckpt, "nvme") for size in SIZES for stage in (1, 2, 3) for ckpt in (False, True)]
+    cases = table_cases()
     nvme = tempfile.mkdtemp(prefix="planner-nvme-")
     try:
         measured = spawn(measure_table, 2, cases, nvme, timeout=600)
+        worst = 0.0
+        for i, case in enumerate(cases):
+            size, stage, ckpt, *offload = case
+            est = planned(case, nvme)
+            peak = max(r[i]["peak"] for r in measured)
+            error = (est.total - peak) / peak
+            worst = max(worst, abs(error))
+            print(json.dumps({"bench": "planner", "model": size, "params": profile(size).num_params, "stage": stage,
+                              "checkpoint": ckpt, "offload_optimizer": "nvme" if offload else "none",
+                              "offload_param": "nvme" if offload == ["nvme-param"] else "none",
+                              "measured_bytes": peak, "planned_bytes": round(est.total), "phase": est.peak_phase,
+                              "error": round(error, 4)}), flush=True)
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
-    profiles = {size: profile_model(gpt, {"size": size}) for size in SIZES}
-    worst = 0.0
-    for i, (size, stage, ckpt, *offload) in enumerate(cases):
-        prof = profiles[size]
-        device = offload[0] if offload else "none"
-        choice = Choice(stage=stage, offload_optimizer=device,
-                        checkpoint=tuple(range(len(prof.blocks))) if ckpt else ())
-        cfg = load_config(engine_config(stage, nvme_path=nvme if offload else None), world_size=2)
-        est = estimate(prof, cfg, world_size=2, choice=choice)
-        peak = max(r[i]["peak"] for r in measured)
-        error = (est.total - peak) / peak
-        worst = max(worst, abs(error))
-        print(json.dumps({"bench": "planner", "model": size, "params": prof.num_params, "stage": stage,
-                          "checkpoint": ckpt, "offload_optimizer": device, "measured_bytes": peak, "planned_bytes": round(est.total),
-                          "error": round(error, 4)}), flush=True)
     print(json.dumps({"bench": "planner_summary", "configs": len(cases), "max_abs_error": round(worst, 4)}))
 
 

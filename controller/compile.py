@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from deepfleet.controller.backends.base import Submission, run_name
+from deepfleet.controller.sources import CheckpointSource
 from deepfleet.controller.spec import AnyJob, is_serving, node_bounds, plain_env
 from deepfleet.controller.tokens import job_token
 from deepfleet.worker.spec import (
@@ -33,7 +34,8 @@ FAILURE_PATH = "/v1/jobs/{job_id}/failure"
 def worker_spec(spec: AnyJob, *, job_id: str, attempt: int) -> WorkerSpec:
     """The WorkerSpec of one attempt (no secrets: the token travels in the environment only). A ServingJob
     compiles to the same contract: its factory as the entrypoint, the named job's checkpoint as
-    `checkpoint.resumeFrom` (copied into its own area by the backend) and `serve` set.
+    `checkpoint.resumeFrom` (copied into its own area by the local backend, mounted read-only by the
+    kubernetes and azureml backends from `checkpoint_source`) and `serve` set.
 
     The entrypoint, checkpoint, restart policy and step budget are the JobSpec's own section objects
     (the same models); what is added here is placement: job id, attempt, platform and node range."""
@@ -64,8 +66,11 @@ def compile_submission(
     controller_url: str,
     secret: str,
     heartbeat_interval_s: float | None = None,
+    checkpoint_source: CheckpointSource | None = None,
 ) -> Submission:
-    """Everything a backend needs to start attempt `attempt` of job `job_id`."""
+    """Everything a backend needs to start attempt `attempt` of job `job_id`. `checkpoint_source`: the stored
+    record of the job `checkpoint.resumeFrom` names (`sources.checkpoint_source`), for the backends that
+    mount its checkpoints instead of copying them."""
     base = controller_url.rstrip("/")
     heartbeat_url = base + HEARTBEAT_PATH.format(job_id=job_id)
     ws = worker_spec(spec, job_id=job_id, attempt=attempt)
@@ -88,4 +93,5 @@ def compile_submission(
         spec=spec,
         worker_spec=ws,
         env=env,
+        checkpoint_source=checkpoint_source,
     )

@@ -50,7 +50,8 @@ from deepfleet.controller.db.models import PRIORITIES, Attempt, Event, Job, Leas
 from deepfleet.controller.db.outage import Outage, is_connection_error
 from deepfleet.controller.lifecycle import Action, JobState, Kind, Phase
 from deepfleet.controller.registry import ModelRegistry
-from deepfleet.controller.spec import stored_spec
+from deepfleet.controller.sources import CheckpointSource, checkpoint_source
+from deepfleet.controller.spec import AnyJob, is_serving, stored_spec
 from deepfleet.worker.spec import FailureClass, RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -340,6 +341,7 @@ class Reconciler:
         sub = compile_submission(
             spec, job_id=job.id, attempt=job.current_attempt, controller_url=self.config.controller_url,
             secret=self.config.secret, heartbeat_interval_s=self.config.heartbeat_interval_s,
+            checkpoint_source=_checkpoint_source(s, job, spec),
         )
         if attempt is None:
             # The intent, committed before the backend is touched (see the module docstring).
@@ -368,6 +370,19 @@ class Reconciler:
         if phase is Phase.SUCCEEDED:
             registration.queue(job)  # registered after this commit, by the registrar (never inside it)
         _event(s, job, reason, message, now, actor=self.config.replica_id, data=data)
+
+
+def _checkpoint_source(s: Session, job: Job, spec: AnyJob) -> CheckpointSource | None:
+    """The stored record of the job `checkpoint.resumeFrom` (a ServingJob's `model.job`) names, as the
+    backends mount it; raises ValueError (the job fails) when it is gone or another project's."""
+    name = spec.spec.checkpoint.resume_from if spec.spec.checkpoint is not None else None
+    if name is None:
+        return None
+    found = s.get(Job, name)
+    if found is None or found.project != job.project:
+        field = "spec.model.job" if is_serving(spec) else "spec.checkpoint.resumeFrom"
+        raise ValueError(f"{field}: job {name!r} is not a job of project {job.project!r} any more; name one that is")
+    return checkpoint_source(found.id, project=found.project, backend=found.backend, document=found.spec)
 
 
 def _attempt_heartbeat(job: Job, attempt: Attempt | None) -> datetime | None:

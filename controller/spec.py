@@ -48,7 +48,8 @@ from deepfleet.worker.spec import (
 API_VERSION = "deepfleet/v1"
 KIND = "TrainingJob"
 SERVING_KIND = "ServingJob"
-# Where a serving job's copy of the training checkpoint lives inside its own checkpoint area.
+# Where a serving job's copy of the training checkpoint lives inside its own checkpoint area (local backend;
+# kubernetes and azureml point the worker's checkpoint.dir at the read-only mount of the source instead).
 SERVED_CHECKPOINT_DIR = "served"
 
 # Backend run names are f"df-{name}-{job_id[:8]}-a{attempt}" and must fit a 63-char DNS-1123 label.
@@ -166,8 +167,10 @@ class KubernetesOptions(_Section):
     termination_grace_period_seconds: Annotated[int | None, Field(ge=0, le=86_400)] = None
     """Time between SIGTERM and SIGKILL: must cover one checkpoint at preemption."""
     checkpoint_claim: Annotated[str | None, Field(max_length=253, pattern=DNS_LABEL)] = None
-    """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod, so every attempt
-    writes to and resumes from the same checkpoints."""
+    """A ReadWriteMany PersistentVolumeClaim mounted at `checkpoint.dir` in every pod; the job keeps its
+    checkpoints in its own directory there, `<checkpoint.dir>/<project>/<job id>`, so every attempt writes
+    to and resumes from the same checkpoints (and a later job naming this one in `resumeFrom` or
+    `model.job` mounts that directory read-only)."""
 
 
 class AzureMLOptions(_Section):
@@ -357,8 +360,10 @@ class ServedModel(_Section):
     project (named by job id, never by a path), loaded into the module the training job's factory builds."""
 
     job: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$")]
-    """Id of a finished TrainingJob of the same project; its newest complete checkpoint is copied into the
-    serving job's own area and loaded (at any world size it was saved at)."""
+    """Id of a finished TrainingJob of the same project on the same backend; its newest complete checkpoint is
+    loaded (at any world size it was saved at): copied into the serving job's own area (local), read where the
+    training job's claim directory is mounted read-only (kubernetes) or from its checkpoint folder given as a
+    read-only input (azureml)."""
     factory: Annotated[str, Field(pattern=FACTORY_REF)]
     """"package.module:function" that builds the model: the training job's factory (its ManagedJob's model
     is used) or any function of the project's code returning the module."""

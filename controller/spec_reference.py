@@ -160,7 +160,10 @@ SERVING_INTRO = """\
 A ServingJob serves the newest complete checkpoint of a finished TrainingJob of the same project at an
 OpenAI-compatible endpoint (`POST <endpoint>/v1/completions`, `"stream": true` for server-sent events)
 until it is cancelled. The checkpoint is named by the training job's id (`spec.model.job`), never by a
-path: the backend copies it into the serving job's own area. The model comes from the training job's
+path, and read where the serving job's backend keeps it: the local backend copies it into the serving
+job's own area; on Kubernetes the training job's directory on its `checkpointClaim` is mounted read-only;
+on Azure ML its checkpoint folder is a read-only input (the training job must have run on the same
+backend; docs/kubernetes.md, docs/azureml.md). The model comes from the training job's
 factory (`spec.model.factory` and `args`), and `init_inference`'s options (`dtype`, `quant`,
 `maxOutTokens`, `maxBatchSize`, `replaceWithKernelInject`) keep DeepSpeed's names. It runs as one
 process on one node, with the same clean environment and job-scoped token as a training job. When the

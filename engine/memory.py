@@ -86,6 +86,20 @@ def _fsdp_unsharded(modules: list[torch.nn.Module]) -> tuple[list[torch.Tensor],
     return params, grads
 
 
+def fsdp_resized_buffers(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """The tensors whose storages FSDP2 resizes in place under `modules` (stage 3): each parameter's
+    all-gather output and unsharded inner tensors, allocated when a unit is gathered and resized to 0
+    bytes when it is resharded. A memory tracker follows them (`LiveStorages.track(...,
+    follow_resizes=True)`); their sizes change without any op that a dispatch mode sees."""
+    out: list[torch.Tensor] = []
+    for m in modules:
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", None) or []:
+            out += list(getattr(fsdp_param, "all_gather_outputs", None) or [])
+            out += list(getattr(fsdp_param, "_unsharded_inner_tensors", None) or [])
+    return out
+
+
 class HighWater:
     """The high-water mark of this rank's model-state bytes over a step, from real storages.
 
@@ -140,6 +154,11 @@ class LiveStorages:
     tensors handed to `track` (model state that already exists when the window opens). A storage is
     released when its last reference dies (a weak reference's callback).
 
+    Storages handed to `track(..., follow_resizes=True)` are measured again around every op: FSDP2
+    frees and re-allocates a unit's gathered parameters by resizing their storages in place
+    (`untyped_storage().resize_`, which no dispatch mode sees), and NVMe parameter offload does the
+    same with the shards it moves to files, so their bytes are followed rather than taken once.
+
     This is what the planner's accuracy figure is measured with on a CPU build, where torch keeps no
     allocator statistics (`torch.cuda.max_memory_allocated` has no CPU twin): it sees activations and
     temporaries, which `HighWater` (model state only) does not. Use as a context manager; `peak` and
@@ -152,12 +171,16 @@ class LiveStorages:
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                tracker._follow_resizes()  # a storage resized up just before this op (allocated to be filled)
                 out = func(*args, **(kwargs or {}))
                 tracker._track_tree(out)
+                tracker._follow_resizes()
                 return out
 
         self._mode = _Mode()
-        self._live: dict[int, object] = {}
+        self._live: dict[int, object] = {}  # storage key -> weak reference
+        self._bytes: dict[int, int] = {}  # storage key -> the bytes counted for it
+        self._followed: set[int] = set()  # keys re-measured around every op
         self.current = 0
         self.peak = 0
 
@@ -171,9 +194,9 @@ class LiveStorages:
     def reset_peak(self) -> None:
         self.peak = self.current
 
-    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+    def track(self, tensors: Iterable[torch.Tensor], *, follow_resizes: bool = False) -> None:
         for t in tensors:
-            self._track_one(t)
+            self._track_one(t, follow=follow_resizes)
 
     def _track_tree(self, out: object) -> None:
         from torch.utils._pytree import tree_leaves
@@ -182,7 +205,18 @@ class LiveStorages:
             if isinstance(t, torch.Tensor):
                 self._track_one(t)
 
-    def _track_one(self, t: torch.Tensor) -> None:
+    def _follow_resizes(self) -> None:
+        for key in self._followed:
+            storage = self._live[key]()
+            if storage is None:
+                continue
+            nbytes = storage.nbytes()
+            if nbytes != self._bytes[key]:
+                self.current += nbytes - self._bytes[key]
+                self._bytes[key] = nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _track_one(self, t: torch.Tensor, *, follow: bool = False) -> None:
         import weakref
 
         t = _local(t)
@@ -190,14 +224,16 @@ class LiveStorages:
             return  # a wrapper subclass (DTensor, fake): its inner tensors are seen on their own
         storage = t.untyped_storage()
         key = storage._cdata  # the StorageImpl's address: unique while alive, also on meta
-        if key in self._live:
-            return
-        nbytes = storage.nbytes()
+        if key not in self._live:
 
-        def released(_ref: object, key: int = key, nbytes: int = nbytes) -> None:
-            if self._live.pop(key, None) is not None:
-                self.current -= nbytes
+            def released(_ref: object, key: int = key) -> None:
+                if self._live.pop(key, None) is not None:
+                    self._followed.discard(key)
+                    self.current -= self._bytes.pop(key)
 
-        self._live[key] = weakref.ref(storage, released)
-        self.current += nbytes
+            self._live[key] = weakref.ref(storage, released)
+            self._bytes[key] = storage.nbytes()
+            self.current += self._bytes[key]
+        if follow:
+            self._followed.add(key)
         self.peak = max(self.peak, self.current)

@@ -239,6 +239,18 @@ def run(spec: WorkerSpec, *, environ: Mapping[str, str] | None = None) -> int:
         for line in problems:
             print(f"deepfleet-worker: invalid engine config: {line}", file=sys.stderr)
         return int(ExitCode.INVALID_SPEC)
+    if spec.resume_dir is not None and spec.checkpoint is not None:
+        from deepfleet.worker.resume import seed_from
+
+        try:  # the source checkpoint the backend mounted read-only, copied into this job's own dir
+            tag = seed_from(spec.resume_dir, into=spec.checkpoint.dir)
+        except OSError as e:
+            print(f"deepfleet-worker: checkpoint.resumeFrom: cannot copy from {spec.resume_dir}: {e}",
+                  file=sys.stderr)
+            return int(ExitCode.INVALID_SPEC)
+        if tag is not None:
+            print(f"deepfleet-worker: starting from checkpoint {tag} of job {spec.checkpoint.resume_from} "
+                  f"({spec.resume_dir})", file=sys.stderr, flush=True)
 
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="validate the spec and the node environment, then exit")
     p.add_argument("--export-dir", help="where node 0 writes the exported model when the spec asks for one "
                    "(default <checkpoint.dir>/export; Azure ML passes the job's model output)")
+    p.add_argument("--checkpoint-dir", help="checkpoint directory, instead of the spec's checkpoint.dir (Azure ML "
+                   "passes the job's checkpoint output, or a serving job's checkpoint input)")
+    p.add_argument("--resume-dir", help="read-only directory holding the checkpoint checkpoint.resumeFrom names "
+                   "(Azure ML passes the source job's checkpoint input); copied into the checkpoint dir when "
+                   "that holds none")
     return p
 
 
@@ -45,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.INVALID_SPEC)
     if args.export_dir and spec.export is not None:
         spec = spec.model_copy(update={"export": spec.export.model_copy(update={"dir": args.export_dir})})
+    if (args.checkpoint_dir or args.resume_dir) and spec.checkpoint is None:
+        print("deepfleet-worker: --checkpoint-dir/--resume-dir: the spec has no checkpoint section; drop the "
+              "option or add checkpoint to the spec", file=sys.stderr)
+        return int(ExitCode.INVALID_SPEC)
+    if args.checkpoint_dir:
+        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": args.checkpoint_dir})})
+    if args.resume_dir:
+        spec = spec.model_copy(update={"resume_dir": args.resume_dir})
     if args.check:
         from deepfleet.worker.rendezvous import RendezvousEnvError, resolve
 
@@ -54,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"deepfleet-worker: {e}", file=sys.stderr)
             return int(ExitCode.INVALID_SPEC)
         exports = f", exports the model to {spec.export_dir}" if spec.export_dir is not None else ""
+        checkpoints = f", checkpoints in {spec.checkpoint.dir}" if spec.checkpoint is not None else ""
+        starts = f", starts from {spec.resume_dir}" if spec.resume_dir is not None else ""
         print(f"ok: job {spec.job_id} attempt {spec.attempt}, node {rdzv.node_rank} of {rdzv.nnodes} "
-              f"({rdzv.platform}), {rdzv.nproc_per_node} process(es), rendezvous {rdzv.endpoint}{exports}")
+              f"({rdzv.platform}), {rdzv.nproc_per_node} process(es), rendezvous {rdzv.endpoint}{checkpoints}"
+              f"{starts}{exports}")
         return int(ExitCode.SUCCEEDED)
     if os.environ.get(KEYVAULT_SECRETS_ENV):
         from deepfleet.worker.keyvault import KeyVaultError, resolve_secrets

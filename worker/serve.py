@@ -3,8 +3,9 @@
 Called by `worker/cli.py` when the WorkerSpec carries `serve` (the controller compiles a ServingJob that
 way). It builds the model with the entrypoint's factory (under the same job's-own-code rule as the
 managed loop, `worker.train.import_factory`), loads the newest complete checkpoint under
-`checkpoint.dir` into it with `deepfleet.engine.init_inference` (the backend copied the named training
-job's checkpoint there), binds its listening socket itself (`serve_address`; port 0 takes a free port, so
+`checkpoint.dir` into it with `deepfleet.engine.init_inference` (the local backend copied the named
+training job's checkpoint there; Kubernetes and Azure ML mount it there read-only, and nothing here
+writes into it), binds its listening socket itself (`serve_address`; port 0 takes a free port, so
 there is no race for it), writes the endpoint's URL to `DEEPFLEET_ENDPOINT_FILE` when the backend gives
 one (the local backend reports the job RUNNING from it), and serves `engine/inference/serve.py`'s app
 under uvicorn until SIGTERM. A spec or checkpoint the user must fix prints one line and exits 64.

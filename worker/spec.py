@@ -278,8 +278,8 @@ class Checkpoint(Section):
     keep_last: Annotated[int | None, Field(ge=1, le=10_000)] = None
     """Keep only the newest N complete checkpoints; null keeps all."""
     resume_from: Annotated[str | None, Field(max_length=64, pattern=r"^[A-Za-z0-9-]+$")] = None
-    """Id of an earlier job of the same project whose newest complete checkpoint this job starts from;
-    null starts fresh (a job never picks up another job's checkpoints by name)."""
+    """Id of an earlier job of the same project and backend whose newest complete checkpoint this job starts
+    from; null starts fresh (a job never picks up another job's checkpoints by name)."""
 
 
 class RestartPolicy(Section):
@@ -474,6 +474,12 @@ class WorkerSpec(_Model):
     serve: ServeOptions | None = None
     """Serve the checkpoint instead of training: the entrypoint's factory builds the model, the newest
     complete checkpoint under `checkpoint.dir` is loaded into it, and node 0 answers /v1/completions."""
+    resume_dir: str | None = None
+    """A (read-only) directory holding the checkpoints `checkpoint.resumeFrom` names, where the backend
+    mounted them (Kubernetes: the source job's claim; Azure ML: its checkpoint folder as an input, set by
+    `deepfleet-worker --resume-dir`). When `checkpoint.dir` holds no complete checkpoint, the worker copies
+    the newest complete one from here into it before training starts; nothing is written here. None: the
+    backend already put it in `checkpoint.dir` (local) or there is none."""
     serve_address: str | None = None
     """"host:port" the serving endpoint listens on (port 0: any free port, reported through
     DEEPFLEET_ENDPOINT_FILE); None: 0.0.0.0:SERVE_PORT (a container's)."""

@@ -135,7 +135,8 @@ async def submit_job(request: Request, principal: PrincipalDep, session: Session
         raise ApiError(403, "token project mismatch", errors=[
             f"metadata.project: this token belongs to project {principal.project!r}, not "
             f"{spec.metadata.project!r}; submit with a token of that project or change metadata.project"])
-    refused = submit_errors(spec, policy=request.app.state.policies.for_project(spec.metadata.project),
+    policy = request.app.state.policies.for_project(spec.metadata.project)
+    refused = submit_errors(spec, policy=policy,
                             default_namespace=settings.k8s_namespace, factory_modules=tuple(settings.factory_modules))
     if spec.spec.backend == "local" and secret_refs(spec):
         refused += await run_in_threadpool(_missing_secrets, session, spec)
@@ -144,7 +145,8 @@ async def submit_job(request: Request, principal: PrincipalDep, session: Session
 
     def create() -> JobDetail:
         try:
-            job = store.create_job(session, spec, actor=principal.actor, backends=settings.backends)
+            job = store.create_job(session, spec, actor=principal.actor, backends=settings.backends,
+                                   default_namespace=settings.k8s_namespace, allowed_claims=policy.claims)
         except store.UnknownReference as e:
             raise ApiError(422, "invalid job spec", errors=e.errors) from None
         session.commit()

@@ -39,6 +39,17 @@ the provenance head. The controller does not read the output, so the file carrie
 and checkpoint (the worker's metadata), not the chain; the chain's head is in the asset's tags and
 properties. A version already tagged with the job is adopted (a lost commit never registers twice).
 
+Checkpoints: a training job with a `checkpoint` section gets a read-write mounted `uri_folder` output
+`checkpoints` at a fixed folder of the workspace's datastore, `deepfleet/<project>/<job id>/checkpoints`
+(`checkpoint_uri`; the datastore is the backend's `datastore`, the workspace's default blob store unless
+set), and the worker runs with `--checkpoint-dir ${{outputs.checkpoints}}`, so every attempt of the job
+(each its own Azure job) writes to and resumes from the same folder. A job that starts from another
+job's checkpoint (`checkpoint.resumeFrom`, a ServingJob's `model.job`; the controller validated at submit
+that the source ran on Azure ML with a checkpoint, `controller.sources`) gets the source's folder as a
+read-only mounted `uri_folder` input `checkpoint`: a serving job runs with `--checkpoint-dir
+${{inputs.checkpoint}}` (it loads the newest complete checkpoint there and writes nothing), a training job
+with `--resume-dir ${{inputs.checkpoint}}` (the worker copies that checkpoint into its own output first).
+
 Logs: node N's log is the run's `user_logs/std_log_process_N.txt` (one process per instance, as above).
 The SDK's public `jobs.stream` prints every log to stdout until the job ends, so `logs` takes the same
 path through the SDK's own pieces instead: the run-history client of `ml_client.jobs` lists the run's
@@ -55,7 +66,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from azure.ai.ml import MLClient, Output, PyTorchDistribution, command
+from azure.ai.ml import Input, MLClient, Output, PyTorchDistribution, command
 from azure.ai.ml.constants import AssetTypes
 from azure.ai.ml.entities import Environment, ManagedIdentityConfiguration, Model
 from azure.ai.ml.exceptions import MlException
@@ -102,6 +113,9 @@ TAG_RUN = "deepfleet.run"
 TAG_JOB_URL = "deepfleet.job-url"
 TAG_HEAD = "deepfleet.provenance-head"
 MODEL_OUTPUT = "model"  # the command job's output node 0 exports into (spec.registerModel)
+CHECKPOINT_OUTPUT = "checkpoints"  # a training job's own checkpoints (read-write)
+CHECKPOINT_INPUT = "checkpoint"  # the checkpoints of the job resumeFrom / model.job names (read-only)
+DEFAULT_DATASTORE = "workspaceblobstore"  # every workspace's default blob datastore
 _EXIT = re.compile(r"exit(?:ed)? (?:with )?(?:status |exit )?code[: ]+(-?\d+)", re.IGNORECASE)
 
 
@@ -121,17 +135,20 @@ def connect(subscription_id: str, resource_group: str, workspace: str, *, creden
 
 WORKSPACE_ENV = ("AZURE_SUBSCRIPTION_ID", "AZURE_RESOURCE_GROUP", "AZUREML_WORKSPACE")
 KEY_VAULT_ENV = "DEEPFLEET_AZUREML_KEY_VAULT"
+DATASTORE_ENV = "DEEPFLEET_AZUREML_DATASTORE"
 
 
 def from_env(environ: Mapping[str, str], **client_kwargs: Any) -> AzureMLBackend:
     """The backend for the workspace named by AZURE_SUBSCRIPTION_ID, AZURE_RESOURCE_GROUP and
-    AZUREML_WORKSPACE (credentials: DefaultAzureCredential). Raises BackendError naming what is missing."""
+    AZUREML_WORKSPACE (credentials: DefaultAzureCredential), the checkpoints on DEEPFLEET_AZUREML_DATASTORE
+    (default: the workspace's default blob store). Raises BackendError naming what is missing."""
     missing = [k for k in WORKSPACE_ENV if not environ.get(k)]
     if missing:
         raise BackendError(f"azureml: set {', '.join(missing)} to the workspace the controller submits to",
                            transient=False)
     return AzureMLBackend(connect(*(environ[k] for k in WORKSPACE_ENV), **client_kwargs),
-                          key_vault_url=environ.get(KEY_VAULT_ENV) or None)
+                          key_vault_url=environ.get(KEY_VAULT_ENV) or None,
+                          datastore=environ.get(DATASTORE_ENV) or DEFAULT_DATASTORE)
 
 
 def translate(e: Exception, what: str) -> BackendError:
@@ -153,9 +170,39 @@ def _first_line(e: Exception) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(e).__name__
 
 
-def command_job(sub: Submission, *, key_vault_url: str | None = None) -> Any:
+def checkpoint_uri(project: str, job_id: str, *, datastore: str = DEFAULT_DATASTORE) -> str:
+    """The datastore folder of a job's checkpoints (the same for every attempt of the job)."""
+    return f"azureml://datastores/{datastore}/paths/deepfleet/{project}/{job_id}/checkpoints"
+
+
+def _checkpoint_io(sub: Submission, *, datastore: str) -> tuple[dict[str, Input], dict[str, Output], list[str]]:
+    """(inputs, outputs, worker options) of the run's checkpoints (see the module docstring). Raises
+    ValueError for a resumeFrom whose source is not an Azure ML job's checkpoint folder."""
+    checkpoint, serving = sub.worker_spec.checkpoint, sub.worker_spec.serve is not None
+    inputs: dict[str, Input] = {}
+    outputs: dict[str, Output] = {}
+    options: list[str] = []
+    if checkpoint is None:
+        return inputs, outputs, options
+    if not serving:
+        outputs[CHECKPOINT_OUTPUT] = Output(type=AssetTypes.URI_FOLDER, mode="rw_mount", path=checkpoint_uri(
+            sub.spec.metadata.project, sub.job_id, datastore=datastore))
+        options += ["--checkpoint-dir", f"${{{{outputs.{CHECKPOINT_OUTPUT}}}}}"]
+    if checkpoint.resume_from is not None:
+        source = sub.checkpoint_source
+        if source is None or source.job_id != checkpoint.resume_from or source.backend != "azureml" or not source.dir:
+            raise ValueError(f"checkpoint.resumeFrom: job {checkpoint.resume_from!r} kept no checkpoints in this "
+                             "workspace; name an azureml job that had a checkpoint section")
+        inputs[CHECKPOINT_INPUT] = Input(type=AssetTypes.URI_FOLDER, mode="ro_mount", path=checkpoint_uri(
+            source.project, source.job_id, datastore=datastore))
+        options += ["--checkpoint-dir" if serving else "--resume-dir", f"${{{{inputs.{CHECKPOINT_INPUT}}}}}"]
+    return inputs, outputs, options
+
+
+def command_job(sub: Submission, *, key_vault_url: str | None = None, datastore: str = DEFAULT_DATASTORE) -> Any:
     """The Azure ML command job of one attempt (an `azure.ai.ml` Command node, not yet submitted).
-    Raises ValueError for a secret reference without a configured Key Vault."""
+    Raises ValueError for a secret reference without a configured Key Vault, or a checkpoint source
+    this workspace does not hold."""
     s = sub.spec.spec
     options = s.azureml
     if options is None:
@@ -177,12 +224,16 @@ def command_job(sub: Submission, *, key_vault_url: str | None = None) -> Any:
                              "DEEPFLEET_AZUREML_KEY_VAULT to the vault URL (https://<name>.vault.azure.net)")
         variables[KEYVAULT_URL_ENV] = key_vault_url
         variables[KEYVAULT_SECRETS_ENV] = json.dumps({var: ref.secret for var, ref in sorted(refs.items())})
-    export = sub.worker_spec.export is not None
+    inputs, outputs, flags = _checkpoint_io(sub, datastore=datastore)
+    if sub.worker_spec.export is not None:
+        outputs[MODEL_OUTPUT] = Output(type=AssetTypes.URI_FOLDER, mode="rw_mount")
+        flags += ["--export-dir", f"${{{{outputs.{MODEL_OUTPUT}}}}}"]
     return command(
         name=sub.name,
-        # Azure mounts the output read-write on every node and substitutes its path into the command.
-        command=f"{WORKER_COMMAND} --export-dir ${{{{outputs.{MODEL_OUTPUT}}}}}" if export else WORKER_COMMAND,
-        outputs={MODEL_OUTPUT: Output(type=AssetTypes.URI_FOLDER, mode="rw_mount")} if export else None,
+        # Azure mounts the inputs and outputs on every node and substitutes their paths into the command.
+        command=" ".join([WORKER_COMMAND, *flags]),
+        inputs=inputs or None,
+        outputs=outputs or None,
         environment=env,
         compute=options.compute,
         instance_count=nodes,
@@ -225,11 +276,14 @@ class AzureMLBackend:
 
     name = "azureml"
 
-    def __init__(self, ml_client: MLClient, *, log_poll_s: float = 5.0, key_vault_url: str | None = None) -> None:
-        """`key_vault_url`: the vault `env` secret references name secrets of (None: none allowed)."""
+    def __init__(self, ml_client: MLClient, *, log_poll_s: float = 5.0, key_vault_url: str | None = None,
+                 datastore: str = DEFAULT_DATASTORE) -> None:
+        """`key_vault_url`: the vault `env` secret references name secrets of (None: none allowed);
+        `datastore`: the workspace datastore that holds the jobs' checkpoint folders."""
         self.ml_client = ml_client
         self.log_poll_s = log_poll_s
         self.key_vault_url = key_vault_url
+        self.datastore = datastore
 
     def _get(self, name: str) -> Any | None:
         try:
@@ -248,7 +302,7 @@ class AzureMLBackend:
                                    transient=False)
             return
         try:
-            job = command_job(sub, key_vault_url=self.key_vault_url)
+            job = command_job(sub, key_vault_url=self.key_vault_url, datastore=self.datastore)
         except ValueError as e:
             raise BackendError(f"azureml: {e}", transient=False) from e
         try:

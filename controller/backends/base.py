@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from deepfleet.controller.sources import CheckpointSource
 from deepfleet.worker.spec import FailureClass, WorkerSpec
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ class Submission:
     spec: JobSpec
     worker_spec: WorkerSpec
     env: dict[str, str] = field(default_factory=dict)  # DEEPFLEET_JOB_ID, DEEPFLEET_ATTEMPT, ..._TOKEN, ...
+    # The job named by `checkpoint.resumeFrom` (a ServingJob's `model.job`), as the controller stored it:
+    # the kubernetes and azureml backends mount its checkpoints read-only (None: the job names none).
+    checkpoint_source: CheckpointSource | None = None
 
 
 class RunPhase(str, enum.Enum):

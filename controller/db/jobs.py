@@ -34,6 +34,7 @@ from deepfleet.controller.db.models import (
     utcnow,
 )
 from deepfleet.controller.goodput import AttemptTimes, Beat, Goodput, eta_s, goodput
+from deepfleet.controller.sources import checkpoint_source, reach_errors
 from deepfleet.controller.spec import KIND, AnyJob, is_serving, job_world_size, node_bounds
 from deepfleet.worker.spec import FailureReport
 from deepfleet.worker.spec import Heartbeat as HeartbeatReport
@@ -135,8 +136,13 @@ def queue_exists(session: Session, name: str) -> bool:
     return True
 
 
-def create_job(session: Session, spec: AnyJob, *, actor: str, backends: list[str]) -> Job:
-    """Store a validated spec as a PENDING job and its Submitted event. Raises UnknownReference."""
+def create_job(session: Session, spec: AnyJob, *, actor: str, backends: list[str], default_namespace: str = "default",
+               allowed_claims: list[str] | None = None) -> Job:
+    """Store a validated spec as a PENDING job and its Submitted event. Raises UnknownReference.
+
+    A job named by `checkpoint.resumeFrom` (a ServingJob's `model.job`) must be one of the same project
+    whose checkpoints this job's backend can read (`controller.sources.reach_errors`: on kubernetes its
+    claim in `default_namespace` unless the specs name one, and among the project's `allowed_claims`)."""
     s = spec.spec
     errors = []
     if s.backend not in backends:
@@ -155,6 +161,11 @@ def create_job(session: Session, spec: AnyJob, *, actor: str, backends: list[str
         elif is_serving(spec) and (found.spec.get("kind") != KIND or found.phase not in TERMINAL_PHASES):
             errors.append(f"{field}: job {source!r} is a {found.spec.get('kind')} in phase {found.phase}; "
                           "name a finished TrainingJob (its newest complete checkpoint is served)")
+        else:
+            where = checkpoint_source(found.id, project=found.project, backend=found.backend, document=found.spec)
+            errors += reach_errors(where, backend=s.backend, namespace=s.kubernetes.namespace if s.kubernetes else None,
+                                   field=field, default_namespace=default_namespace,
+                                   allowed_claims=allowed_claims or [])
     if errors:
         raise UnknownReference(errors)
     ensure_project(session, spec.metadata.project)

@@ -8,15 +8,16 @@ memory-budget mode of activation checkpointing (`checkpoint_blocks_for_budget`),
 Model state follows what the strategies under `engine/zero/` hold (the figures `engine/memory.py`
 measures): parameters, gradients, optimizer state and fp32 masters (16-bit training), each replicated
 or divided by the data-parallel size as ZeRO's stage says, plus the transient buffers a stage builds
-(stages 1/2: one reduce bucket of `reduce_bucket_size` elements; stage 3: FSDP2's gathered unit and
-the one it prefetches, and the unsharded gradients of a unit while it reduce-scatters). Activations
+(stages 1/2: one reduce bucket of `reduce_bucket_size` elements; stage 3: what FSDP2 holds at each
+point of backward, walked unit by unit in `_stage3_backward`). Activations
 come from `profile.py`'s measured profile. Offloaded state moves from the device to its tier (cpu, or
 nvme: optimizer state with `buffer_count` chunk buffers in host memory; stage-3 parameter shards, with
 their fp32 masters, less the `max_in_cpu` elements kept in host memory). On the CPU path, where the
 device is host memory, NVMe parameter offload frees the blocks' shards from the end of each block's
 forward to its backward and between steps; backward reads them all back for the reduction and the
-optimizer step, so the reduction phase counts them (measured with a storage tracker that follows
-in-place resizes, the step's high-water mark with parameter offload equals the one without).
+optimizer step, so backward's walk counts the shards back at each point and the reduction phase counts
+them all (measured with a storage tracker that follows in-place resizes, the step's high-water mark
+with parameter offload is within 3% of the one without).
 
 Step-time factors are relative to plain data parallelism on the same model: `recompute` (checkpointed
 blocks run their forward twice; a forward is about a third of a step's arithmetic and a block's share
@@ -216,6 +217,11 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
     # their largest) and the gradient reduction (activations mostly freed by then).
     base = params + optimizer + master + persistent_grads
     backward_peak = base + act + during_backward
+    if stage == 3 and profile.blocks:
+        in_files = back_for_step / max(1.0, profile.num_params)  # per parameter, read back in backward
+        backward_peak = base + _stage3_backward(profile, mb, act, elem=elem, world_size=n, act_scale=act_scale,
+                                                checkpointed=set(choice.checkpoint), shard_back_bytes=in_files)
+        during_backward = backward_peak - base - act
     reduction_peak = base + reduce_phase + (grads - persistent_grads) + back_for_step
     phase = "backward" if backward_peak >= reduction_peak else "reduction"
     buckets = during_backward if phase == "backward" else reduce_phase
@@ -226,6 +232,40 @@ def estimate(profile: ModelProfile, config: DeepFleetConfig, *, world_size: int,
                     offloaded={k: v for k, v in offloaded.items() if v}, recompute=recompute,
                     comm_volume=3.0 if stage == 3 else 2.0, host_transfer_bytes=host_bytes,
                     nvme_transfer_bytes=nvme_bytes, total=max(backward_peak, reduction_peak), peak_phase=phase)
+
+
+def _stage3_backward(profile: ModelProfile, mb: int, act: float, *, elem: int, world_size: int,
+                     checkpointed: set[int], act_scale: float, shard_back_bytes: float = 0.0) -> float:
+    """Stage 3's largest transient bytes over backward, above the persistent shards: activations plus
+    what FSDP2 holds at each point, walked unit by unit in backward's order (the last block first).
+
+    Each block is an FSDP2 unit and the root unit holds the rest (embeddings, final norm, head). The
+    root stays gathered from forward to the end of backward, and its gradients (the head's, computed
+    first) live until its reduce-scatter at the very end. While the loss and head run backward, the
+    last block is gathered and its all-gather buffer is in flight. While block i runs backward, block
+    i and the one prefetched for the next step back (i-1) are gathered, the previous unit's unsharded
+    gradients are still held as the input of its reduce-scatter, and every unit already reduced keeps
+    its fp32 gradient shard. Activations fall as blocks finish: a plain block frees what it saved, a
+    checkpointed one its kept output. With parameter offload to NVMe, `shard_back_bytes` per parameter
+    come back from files for the root, the unit running, the one prefetched and every unit done (they
+    stay for the optimizer step); no unit is released again inside backward."""
+    units = [b.params for b in profile.blocks]
+    root = max(0, profile.num_params - sum(units))
+    last = len(units) - 1
+    ahead = units[last - 1] if last > 0 else 0
+    phases = [act + (root + 2 * units[last]) * elem + (root + units[last] + ahead) * shard_back_bytes]
+    freed = reduced = 0.0
+    done = root  # parameters whose shards are back in memory (the root never leaves in backward)
+    for k, i in enumerate(range(last, -1, -1)):
+        nxt = units[i - 1] if i > 0 else 0
+        gathered = (root + units[i] + nxt) * elem
+        grads = root * elem + (units[i + 1] * elem if k > 0 else 0.0) + reduced
+        done += units[i]
+        phases.append(act - freed + gathered + grads + (done + nxt) * shard_back_bytes)
+        block = profile.blocks[i]
+        freed += (block.output if i in checkpointed else block.saved).at(mb) * act_scale
+        reduced += units[i] * 4 / world_size
+    return max(phases)
 
 
 def _max_in_cpu(config: DeepFleetConfig) -> float:

@@ -56,7 +56,11 @@ def test_submit_puts_a_pytorch_command_job(fake, backend) -> None:
     (put,) = fake.job_puts()
     assert put.path == f"{WORKSPACE}/jobs/{sub.name}" and put.authorization == "Bearer fake-token"
     props = put.body["properties"]
-    assert props["jobType"] == "Command" and props["command"] == "deepfleet-worker"
+    # The job's checkpoints go to its own datastore folder, the same for every attempt.
+    assert props["jobType"] == "Command" and props["command"] == "deepfleet-worker --checkpoint-dir ${{outputs.checkpoints}}"
+    assert props["outputs"] == {"checkpoints": {"jobOutputType": "uri_folder", "mode": "ReadWriteMount", "uri": (
+        f"azureml://datastores/workspaceblobstore/paths/deepfleet/default/{JOB_ID}/checkpoints")}}
+    assert not props.get("inputs")
     assert props["distribution"] == {"distributionType": "PyTorch", "processCountPerInstance": 1}
     assert props["resources"]["instanceCount"] == 2
     assert props["computeId"] == f"{WORKSPACE}/computes/gpu-cluster"
@@ -239,11 +243,12 @@ def test_a_job_that_registers_its_model_exports_into_a_model_output(fake, backen
     sub = example_submission("azureml", registerModel={"name": "gpt-small", "dtype": "bf16"})
     backend.submit(sub)
     props = fake.job_puts()[0].body["properties"]
-    assert props["command"] == "deepfleet-worker --export-dir ${{outputs.model}}"
-    assert props["outputs"] == {"model": {"jobOutputType": "uri_folder", "mode": "ReadWriteMount"}}
+    assert props["command"] == ("deepfleet-worker --checkpoint-dir ${{outputs.checkpoints}} "
+                                "--export-dir ${{outputs.model}}")
+    assert props["outputs"]["model"] == {"jobOutputType": "uri_folder", "mode": "ReadWriteMount"}
     worker = json.loads(props["environmentVariables"]["DEEPFLEET_WORKER_SPEC"])
     assert worker["export"] == {"dtype": "bf16"}
-    plain = example_submission("azureml", job_id="0" * 32)
+    plain = example_submission("azureml", job_id="0" * 32, checkpoint=None)
     backend.submit(plain)
     assert fake.job_puts()[1].body["properties"]["command"] == "deepfleet-worker"  # no export, no output
     assert not fake.job_puts()[1].body["properties"].get("outputs")

@@ -16,7 +16,7 @@ import yaml
 
 from deepfleet.controller.backends.kubernetes import manifests, names
 from deepfleet.worker.spec import TOKEN_ENV
-from tests.controller.example_jobs import IMAGE, example_submission
+from tests.controller.example_jobs import IMAGE, JOB_ID, example_submission
 
 GOLDEN = Path(__file__).with_name("golden")
 VERSIONS = ["1.30.0", "1.33.0"]
@@ -179,12 +179,26 @@ def test_golden_files() -> None:
         assert text == path.read_text(), f"{name} changed; review and regenerate with DEEPFLEET_UPDATE_GOLDEN=1"
 
 
+def _worker_checkpoint_dir(job: dict) -> str:
+    env = job["spec"]["template"]["spec"]["containers"][0]["env"]
+    return json.loads(next(e["value"] for e in env if e["name"] == "DEEPFLEET_WORKER_SPEC"))["checkpoint"]["dir"]
+
+
 def test_checkpoint_claim_is_mounted_at_the_checkpoint_dir_in_every_pod() -> None:
+    """Each job keeps its checkpoints in its own directory on the claim (the same for every attempt), so
+    jobs sharing a claim never resume from each other's checkpoints."""
     job, _, _ = _objects(kubernetes={"checkpointClaim": "gpt-ckpt"}, checkpoint={"dir": "/checkpoints/gpt", "everySteps": 10})
     pod = job["spec"]["template"]["spec"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "gpt-ckpt"}} in pod["volumes"]
     mounts = pod["containers"][0]["volumeMounts"]
     assert {"name": "checkpoints", "mountPath": "/checkpoints/gpt"} in mounts
+    assert _worker_checkpoint_dir(job) == f"/checkpoints/gpt/default/{JOB_ID}"
+    later = manifests.job(example_submission("kubernetes", attempt=3, kubernetes={"checkpointClaim": "gpt-ckpt"},
+                                             checkpoint={"dir": "/checkpoints/gpt/"}), namespace="default")
+    assert _worker_checkpoint_dir(later) == f"/checkpoints/gpt/default/{JOB_ID}"
+    other = manifests.job(example_submission("kubernetes", job_id="0" * 32, kubernetes={"checkpointClaim": "gpt-ckpt"},
+                                             checkpoint={"dir": "/checkpoints/gpt"}), namespace="default")
+    assert _worker_checkpoint_dir(other) == f"/checkpoints/gpt/default/{'0' * 32}"
     for version in VERSIONS:
         kubernetes_validate.validate(job, version, strict=True)
 

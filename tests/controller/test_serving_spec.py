@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -18,8 +17,8 @@ import pytest
 import yaml
 
 from deepfleet.controller.backends.kubernetes import manifests
-from deepfleet.controller.compile import compile_submission
 from deepfleet.controller.db.models import Job
+from deepfleet.controller.sources import CheckpointSource
 from deepfleet.controller.spec import (
     SERVED_CHECKPOINT_DIR,
     ServingJob,
@@ -29,22 +28,10 @@ from deepfleet.controller.spec import (
 )
 from deepfleet.worker.spec import FactoryEntrypoint, WorkerSpec
 from tests.controller.api.helpers import job_yaml, token, yaml_headers
-from tests.controller.example_jobs import IMAGE, JOB_ID
+from tests.controller.example_jobs import IMAGE, SERVE_EXAMPLE, TRAINED, serving_document
+from tests.controller.example_jobs import serving_submission as compiled
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "serve.yaml"
-TRAINED = "0123456789abcdef0123456789abcdef"
-
-
-def serving_document(**spec_overrides: Any) -> dict[str, Any]:
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["model"]["job"] = TRAINED
-    doc["spec"].update(spec_overrides)
-    return doc
-
-
-def compiled(doc: dict[str, Any]):
-    return compile_submission(validate_job(doc), job_id=JOB_ID, attempt=0, controller_url="http://ctl:8000",
-                              secret="test-secret")
+EXAMPLE = SERVE_EXAMPLE
 
 
 def test_the_example_compiles_into_a_serving_worker_spec() -> None:
@@ -100,7 +87,9 @@ def test_the_checkpoint_is_named_by_job_never_by_path(model: dict, line: str) ->
 
 @pytest.mark.parametrize("version", ["1.30.0", "1.33.0"])
 def test_kubernetes_manifests_of_a_serving_attempt_pass_the_upstream_schemas(version: str) -> None:
-    sub = compiled(serving_document(backend="kubernetes", image=IMAGE, resources={"cpu": "2", "memory": "4Gi"}))
+    source = CheckpointSource(job_id=TRAINED, project="default", backend="kubernetes", dir="/ck", claim="ckpt")
+    sub = compiled(serving_document(backend="kubernetes", image=IMAGE, resources={"cpu": "2", "memory": "4Gi"}),
+                   source)
     objects = manifests.render(sub, namespace="default", job_uid="5b7d7c52-0000-4000-8000-000000000001")
     assert [o["kind"] for o in objects] == ["Job", "Secret", "Service"]
     for obj in objects:
@@ -110,6 +99,7 @@ def test_kubernetes_manifests_of_a_serving_attempt_pass_the_upstream_schemas(ver
     (container,) = job["spec"]["template"]["spec"]["containers"]
     worker = json.loads(next(e["value"] for e in container["env"] if e["name"] == "DEEPFLEET_WORKER_SPEC"))
     assert worker["serve"]["max_out_tokens"] == 64 and worker["checkpoint"]["resume_from"] == TRAINED
+    assert worker["checkpoint"]["dir"] == manifests.SOURCE_MOUNT  # the trained job's claim, mounted read-only
     assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
     assert any(p["name"] == "http" and p["port"] == 8000 for p in service["spec"]["ports"])
 
@@ -123,13 +113,15 @@ def test_an_azureml_serving_job_is_one_command_job_instance() -> None:
         fake = FakeAzureML()
         backend = AzureMLBackend(connect(SUBSCRIPTION, "rg", "ws", credential=FakeCredential(), transport=fake,
                                          retry_total=0))
-        sub = compiled(serving_document(backend="azureml", image=IMAGE, azureml={"compute": "cpu-cluster"}))
+        source = CheckpointSource(job_id=TRAINED, project="default", backend="azureml", dir="ck")
+        sub = compiled(serving_document(backend="azureml", image=IMAGE, azureml={"compute": "cpu-cluster"}), source)
         backend.submit(sub)
     (put,) = fake.job_puts()
     props = put.body["properties"]
     assert props["jobType"] == "Command" and props["resources"]["instanceCount"] == 1
     worker = json.loads(props["environmentVariables"]["DEEPFLEET_WORKER_SPEC"])
     assert worker["serve"]["max_out_tokens"] == 64 and worker["checkpoint"]["resume_from"] == TRAINED
+    assert props["command"] == "deepfleet-worker --checkpoint-dir ${{inputs.checkpoint}}"  # the trained job's folder
 
 
 # ------------------------------------------------------------------------------------------ the API

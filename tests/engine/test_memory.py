@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepfleet.engine.memory import model_state_bytes, storage_bytes
+from deepfleet.engine.memory import LiveStorages, model_state_bytes, storage_bytes
 from tests.engine.zero_runs import run_stage
 
 
@@ -72,3 +72,23 @@ def test_peak_model_state_over_a_step_is_near_the_zero_ideal(stage: int, gas: in
                 f"rank {rank} step {step}: peak {got} bytes ({got / run['params']:.2f}P) at "
                 f"{peak['point']}, ideal {ideal:.0f} ({ideal / run['params']:.2f}P): {peak['report']}"
             )
+
+
+def test_live_storages_follow_in_place_resizes_of_followed_tensors() -> None:
+    # FSDP2 frees and re-gathers a unit by resizing its storages in place, which no dispatch mode sees
+    gathered, kept = torch.zeros(1000), torch.zeros(10)
+    storage = gathered.untyped_storage()
+    with LiveStorages() as live:
+        live.track([gathered], follow_resizes=True)
+        live.track([kept])
+        assert live.current == 4040
+        storage.resize_(0)
+        torch.ones(3).add_(1)  # any op: the tracker re-reads followed storages around it
+        assert live.current == 40
+        storage.resize_(4000)
+        tmp = torch.ones(250)  # allocated while the unit is gathered again
+        assert live.current == 4040 + 1000 and live.peak == 5040
+        del tmp
+        kept.untyped_storage().resize_(0)  # not followed: counted as first seen
+        torch.ones(1)
+        assert live.current == 4040

@@ -18,12 +18,12 @@ WORKER = [sys.executable, "-m", "deepfleet.worker.cli"]
 
 
 def run_worker(spec: dict, *, timeout: float, wait_s: float, on_line: Callable | None = None,
-               extra_env: dict | None = None) -> tuple[int, str]:
-    """(exit code, combined output) of one worker run from the repository root."""
+               extra_env: dict | None = None, args: list[str] | None = None) -> tuple[int, str]:
+    """(exit code, combined output) of one worker run from the repository root (`args`: more options)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     lines: list[str] = []
     deadline = time.monotonic() + timeout
-    with subprocess.Popen([*WORKER, "--spec", json.dumps(spec)], cwd=ROOT, stdout=subprocess.PIPE,
+    with subprocess.Popen([*WORKER, "--spec", json.dumps(spec), *(args or [])], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as proc:
         try:
             assert proc.stdout is not None

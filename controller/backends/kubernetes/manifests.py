@@ -24,6 +24,19 @@ Layout of one run named `<name>` (the deterministic `run_name`, so a resubmissio
   (`ProjectPolicy.secrets`) says which Secrets it may name, and the value never passes the controller.
 * With `spec.kubernetes.kueueQueue` the Job is created suspended with Kueue's queue-name label and
   Kueue admits it (unsuspends it) when its quota allows.
+
+Checkpoints (`checkpoint_mounts`, `worker_spec`). A job with `kubernetes.checkpointClaim` mounts the claim
+at `checkpoint.dir` and keeps its checkpoints in its own directory there, `<checkpoint.dir>/<project>/<job
+id>` (`checkpoint_subpath`; the WorkerSpec's `checkpoint.dir`): every attempt of the job (same id) resumes
+from them, and a job never picks up another's from a shared claim. The worker creates that directory
+itself, as the image's user (a `subPath` the kubelet creates would be root's). A job that starts from
+another job's checkpoint (`checkpoint.resumeFrom`, a ServingJob's `model.job`; the controller validated
+at submit that the source ran here with a claim in the same namespace, `controller.sources`) mounts only
+the source's directory on the source's claim, *read-only*, at `SOURCE_MOUNT` (the volume `readOnly`, the
+mount `readOnly`, `subPath: <project>/<its job id>`, which its own worker created), and the WorkerSpec
+says where: a serving job's `checkpoint.dir` is `SOURCE_MOUNT` (it loads the newest complete checkpoint
+there and writes nothing); a training job's `resume_dir` is `SOURCE_MOUNT` (the worker copies the newest
+complete checkpoint from there into its own directory when that holds none).
 """
 
 from __future__ import annotations
@@ -34,13 +47,16 @@ from typing import Any
 from deepfleet.controller.backends.base import Submission
 from deepfleet.controller.backends.kubernetes import names
 from deepfleet.controller.spec import SECRET_KEY_DEFAULT, KubernetesOptions, node_bounds, secret_refs
-from deepfleet.worker.spec import SERVE_PORT, TOKEN_ENV
+from deepfleet.worker.spec import SERVE_PORT, TOKEN_ENV, WorkerSpec
 
 CONTAINER = "worker"
 WORKER_COMMAND = ["deepfleet-worker"]
 DEFAULT_GRACE_SECONDS = 60  # covers the worker's default 30 s preemption checkpoint with margin
 SHM_PATH = "/dev/shm"
 SECRET_ENV = (TOKEN_ENV,)  # variables of the submission env that go into the Secret, not the Job
+SOURCE_MOUNT = "/mnt/deepfleet/source-checkpoint"  # where another job's checkpoints are mounted read-only
+CHECKPOINT_VOLUME = "checkpoints"
+SOURCE_VOLUME = "source-checkpoint"
 
 
 def _options(sub: Submission) -> KubernetesOptions:
@@ -81,8 +97,54 @@ def _secret_values(sub: Submission) -> dict[str, str]:
     return {k: v for k, v in sorted(sub.env.items()) if k in SECRET_ENV}
 
 
-def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
+def checkpoint_subpath(project: str, job_id: str) -> str:
+    """The directory of a job's checkpoints on its claim, relative to the claim's root (every attempt of
+    the job uses the same one)."""
+    return f"{project}/{job_id}"
+
+
+def checkpoint_mounts(sub: Submission) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) of the run's checkpoints: its own claim, read-write at `checkpoint.dir`, and
+    the directory of the checkpoint it starts from, read-only at `SOURCE_MOUNT` (module docstring).
+    Raises ValueError for a resumeFrom whose source this cluster cannot mount."""
+    opts, checkpoint = _options(sub), sub.spec.spec.checkpoint
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if opts.checkpoint_claim and checkpoint is not None:
+        volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": opts.checkpoint_claim}})
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": checkpoint.dir})
+    if checkpoint is None or checkpoint.resume_from is None:
+        return volumes, mounts
+    source = sub.checkpoint_source
+    if source is None or source.job_id != checkpoint.resume_from or source.backend != "kubernetes" or not source.claim:
+        raise ValueError(f"checkpoint.resumeFrom: job {checkpoint.resume_from!r} kept no checkpoints on a claim of "
+                         "this cluster; name a kubernetes job that had a checkpointClaim")
+    volumes.append({"name": SOURCE_VOLUME, "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}})
+    mounts.append({"name": SOURCE_VOLUME, "mountPath": SOURCE_MOUNT, "readOnly": True,
+                   "subPath": checkpoint_subpath(source.project, source.job_id)})
+    return volumes, mounts
+
+
+def worker_spec(sub: Submission) -> WorkerSpec:
+    """The WorkerSpec the pods receive: the compiled one, with its checkpoints in its own directory on its
+    claim and told where a mounted source checkpoint is."""
     ws = sub.worker_spec
+    if ws.checkpoint is None:
+        return ws
+    checkpoint, update = ws.checkpoint, {}
+    if _options(sub).checkpoint_claim:
+        own = f"{checkpoint.dir.rstrip('/')}/{checkpoint_subpath(sub.spec.metadata.project, sub.job_id)}"
+        checkpoint = checkpoint.model_copy(update={"dir": own})
+    if checkpoint.resume_from is not None and sub.checkpoint_source is not None:
+        if ws.serve is not None:  # serve the source's checkpoint where it is mounted
+            checkpoint = checkpoint.model_copy(update={"dir": SOURCE_MOUNT})
+        else:
+            update["resume_dir"] = SOURCE_MOUNT
+    return ws.model_copy(update={"checkpoint": checkpoint, **update})
+
+
+def _env(sub: Submission, *, nodes: int) -> list[dict[str, Any]]:
+    ws = worker_spec(sub)
     fixed = {
         **{k: v for k, v in sub.env.items() if k not in SECRET_ENV},
         "DEEPFLEET_WORKER_SPEC": json.dumps(ws.model_dump(mode="json", exclude_none=True), sort_keys=True),
@@ -139,10 +201,10 @@ def _pod_spec(sub: Submission, *, nodes: int) -> dict[str, Any]:
     if opts.shm_size:
         shm["sizeLimit"] = opts.shm_size
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": shm}]
-    if opts.checkpoint_claim and sub.spec.spec.checkpoint is not None:
-        # Every attempt's pods mount the same claim, so a new attempt resumes from the latest checkpoint.
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": opts.checkpoint_claim}})
-        container["volumeMounts"].append({"name": "checkpoints", "mountPath": sub.spec.spec.checkpoint.dir})
+    # Every attempt's pods mount the same claim, so a new attempt resumes from the latest checkpoint.
+    checkpoint_volumes, checkpoint_mounts_ = checkpoint_mounts(sub)
+    volumes += checkpoint_volumes
+    container["volumeMounts"] += checkpoint_mounts_
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": sub.name,
