@@ -1,10 +1,12 @@
-"""Request dependencies: the database session, the caller (bearer token -> project + role), and the
-error type every router raises.
+"""Request dependencies: the database session, the caller (bearer token -> project + role), the error
+type every router raises, and `read_json`, how the busiest read routes answer.
 
 Used by every router in `controller/api`. Authorization rules live here in one place:
 - an API token (`dft_...`) is bound to one project and a role: admin > member > viewer;
 - a job token (`dfj_...`) is accepted only by the worker endpoints of its own job;
-- unknown, malformed, revoked or expired tokens get 401; a role too weak for the call gets 403;
+- unknown, malformed, revoked or expired tokens get 401; a role too weak for the call gets 403; a
+  revoked token keeps working for at most `Settings.token_cache_s` in the API processes that had
+  verified it (see `controller.api.principals`);
 - another project's job is answered exactly like a missing one (404), so ids do not leak.
 """
 
