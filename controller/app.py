@@ -110,9 +110,8 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
         # Threads for every admitted request plus the streaming/log helpers: the pool never starves them.
         anyio.to_thread.current_default_thread_limiter().total_tokens = limit + 8
         # Parsing a job is pure CPU under the GIL: more parsers than cores only starve the event loop
-        # (and /healthz and the reads with it), so they queue here instead; the API processes share the
-        # cores.
-        served.state.parse_limiter = anyio.CapacityLimiter(max(1, (os.cpu_count() or 2) // settings.api_processes))
+        # (and /healthz with it), so they queue here instead.
+        served.state.parse_limiter = anyio.CapacityLimiter(os.cpu_count() or 2)
         # The engine config's models load on the first submit otherwise, inside its request.
         await run_in_threadpool(importlib.import_module, "deepfleet.engine.config")
         if settings.migrate_on_start:
