@@ -9,7 +9,9 @@ Without --database-url it starts a throwaway PostgreSQL cluster (as the tests do
 comes from one asyncio client process. Targets: 200 concurrent submits with 0 errors and p99 < 1 s;
 1,000 in bursts of 100 with no 5xx (a 429 with Retry-After is back-pressure, counted apart); list/get
 p99 < 50 ms at 10,000 jobs with 8 readers while submits run; /healthz p99 < 100 ms in every phase.
-Prints one JSON line per phase. The load comes from `benchmarks/raw_http.py` by default (`--client raw`),
+Prints one JSON line per phase; the first measures, one request at a time, the CPU each kind of request
+costs the server and (when this benchmark started it) the database server, and the read phase also says
+where its CPU went (server, database, load client) against its wall time. The load comes from `benchmarks/raw_http.py` by default (`--client raw`),
 whose requests cost a fraction of httpx's client CPU on the machine the server shares;
 `--client httpx` measures with httpx instead.
 """
@@ -29,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import psutil
@@ -116,19 +119,22 @@ def _summary(results: list[tuple[int, float]], wall_s: float) -> dict:
             "submits_per_s": round(codes.get(201, 0) / wall_s, 1)}
 
 
-async def _server_cpu(c: httpx.AsyncClient, server: psutil.Process, ids: list[str], counter: Iterator[int],
-                      n: int = 60) -> None:
-    """One request at a time: the server's CPU (all its threads and processes) and the latency per request."""
+async def _server_cpu(c: httpx.AsyncClient, server: psutil.Process, db: psutil.Process | None, ids: list[str],
+                      counter: Iterator[int], n: int = 200) -> None:
+    """One request at a time: the server's CPU (all its threads and processes), the database server's (when
+    it runs here) and the latency per request."""
     requests = {"submit": lambda k: _submit(c, next(counter)),
                 "list": lambda k: c.get("/v1/jobs", params={"limit": 50}),
                 "get": lambda k: c.get(f"/v1/jobs/{ids[k % len(ids)]}")}
     out = {}
     for op, send in requests.items():
-        await send(0)  # warm: caches, prepared statements
-        cpu0, t0, mine = _cpu_s(server), time.perf_counter(), time.process_time()
+        for k in range(10):  # warm: caches, prepared statements (psycopg prepares a statement on its 5th run)
+            await send(k)
+        cpu0, db0, t0, mine = _cpu_s(server), _cpu_s(db), time.perf_counter(), time.process_time()
         for k in range(1, n + 1):
             await send(k)
         out[op] = {"server_cpu_ms": round((_cpu_s(server) - cpu0) * 1000 / n, 2),
+                   "db_cpu_ms": round((_cpu_s(db) - db0) * 1000 / n, 2) if db is not None else None,
                    "client_cpu_ms": round((time.process_time() - mine) * 1000 / n, 2),
                    "latency_ms": round((time.perf_counter() - t0) * 1000 / n, 2)}
     print(json.dumps({"bench": "controller_load", "phase": "one_at_a_time", "requests_each": n, **out}), flush=True)
@@ -144,15 +150,34 @@ def _settle(server: psutil.Process, timeout_s: float = 60.0) -> None:
             return
 
 
-def _cpu_s(server: psutil.Process) -> float:
-    procs = [server, *server.children(recursive=True)]
-    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+def _cpu_s(server: psutil.Process | None) -> float:
+    """CPU seconds of `server` and its children so far (processes that ended since are not counted)."""
+    if server is None:
+        return 0.0
+    total = 0.0
+    for p in [server, *server.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:  # a database backend that just ended
+            continue
+        total += t.user + t.system
+    return total
 
 
-async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: psutil.Process) -> None:
+def _local_postgres(url: str) -> psutil.Process | None:
+    """The postmaster of the throwaway cluster at `url` (a socket folder holding its data dir), else None."""
+    host = parse_qs(urlsplit(url).query).get("host", [""])[0]
+    pid_file = Path(host) / "data" / "postmaster.pid" if host else None
+    if pid_file is None or not pid_file.exists():
+        return None
+    return psutil.Process(int(pid_file.read_text().split()[0]))
+
+
+async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: psutil.Process,
+                  db: psutil.Process | None) -> None:
     async with client(base, args.client, connections=args.concurrent + 16, headers=HEADERS) as c:
         counter = iter(range(10**9))
-        await _server_cpu(c, server, ids, counter)
+        await _server_cpu(c, server, db, ids, counter)
 
         health = Health(base, args.client)
         sampler = asyncio.create_task(health.run())
@@ -195,10 +220,15 @@ async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: p
                 times[op].append((time.perf_counter() - t0) * 1000)
             return times
 
+        cpu0, db0, t0, mine = _cpu_s(server), _cpu_s(db), time.perf_counter(), time.process_time()
         submitting = [asyncio.create_task(submitter()) for _ in range(2)]
         read = await asyncio.gather(*(reader(k) for k in range(args.readers)))
         stop.set()
         submitted = [x for task in submitting for x in await task]
+        # Where the read phase's CPU went: how busy the cores were with this benchmark's own work.
+        cpu = {"wall_s": round(time.perf_counter() - t0, 2), "server_cpu_s": round(_cpu_s(server) - cpu0, 2),
+               "db_cpu_s": round(_cpu_s(db) - db0, 2) if db is not None else None,
+               "client_cpu_s": round(time.process_time() - mine, 2)}
         for op in ("list", "get"):
             times = [t for r in read for t in r[op]]
             p99 = _pct(times, 0.99)
@@ -207,7 +237,7 @@ async def _phases(base: str, args: argparse.Namespace, ids: list[str], server: p
                               "p50_ms": round(_pct(times, 0.5), 1), "p99_ms": round(p99, 1),
                               "concurrent_submits_done": len(submitted),
                               "submit_server_errors": sum(1 for code, _ in submitted if code >= 500),
-                              **({} if op == "list" else health.stop()),
+                              **({} if op == "list" else {**health.stop(), "read_phase": cpu}),
                               "load_avg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
                               "target": "p99 < 50 ms", "ok": p99 < 50}), flush=True)
         await sampler
@@ -238,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         url = _fresh_database(admin_url)
         upgrade_head(url)
         ids = _seed(url, args.jobs)
+        db = _local_postgres(admin_url)
         # The listening socket is bound here (port 0) and handed to the server process, so no other
         # process can take the port between choosing and binding it.
         sock = socket.socket()
@@ -263,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise RuntimeError("the controller did not start")
                 time.sleep(0.2)
             _settle(psutil.Process(server.pid))
-            asyncio.run(_phases(base, args, ids, psutil.Process(server.pid)))
+            asyncio.run(_phases(base, args, ids, psutil.Process(server.pid), db))
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -27,6 +27,7 @@ from deepfleet.controller.api.deps import ApiError
 from deepfleet.controller.api.headers import SecurityHeaders
 from deepfleet.controller.api.load import RequestGate, install_outage_handler, per_process_limit
 from deepfleet.controller.api.logs import LogLocator, LogReader, file_log_locator
+from deepfleet.controller.api.principals import TokenCache
 from deepfleet.controller.db.auth import ensure_bootstrap_token
 from deepfleet.controller.db.session import make_engine, make_session_factory
 from deepfleet.controller.policy import Policies
@@ -141,6 +142,9 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
+    # The read routes' connections (same pool): autocommit, so a read costs no BEGIN/ROLLBACK round trips.
+    app.state.read_engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+    app.state.principals = TokenCache(settings.token_cache_s)
     app.state.log_reader = log_reader
     app.state.log_locator = log_locator or file_log_locator(settings.logs_root)
     app.state.log_poll_s = log_poll_s
@@ -155,6 +159,7 @@ def create_app(settings: Settings, *, log_reader: LogReader | None = None, log_l
     app.add_middleware(health.BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     # Outermost of these: a request waits for a slot before it is read or timed (the security headers
     # wrap even this, see _App).
-    app.add_middleware(RequestGate, limit=limit, queue_timeout_s=settings.queue_timeout_s)
+    app.add_middleware(RequestGate, limit=limit, queue_timeout_s=settings.queue_timeout_s,
+                       shed=settings.api_processes > 1)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

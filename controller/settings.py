@@ -59,6 +59,10 @@ class Settings(BaseModel):
     """Largest request body accepted; bigger bodies get 413."""
     token_ttl_days: float | None = Field(90.0, gt=0)
     """Default lifetime of API tokens created through POST /v1/tokens; None: no expiry."""
+    token_cache_s: float = Field(5.0, ge=0, le=300)
+    """Seconds an API process trusts a token it verified without looking it up again: a token revoked
+    through another process (or in the database) stops working within this time, at once in the process
+    that revoked it; 0 looks every token up on every request."""
     secret: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_urlsafe(32)))
     """Key of the job-scoped worker tokens (HMAC); set it explicitly when several replicas serve one DB."""
     old_secrets: list[SecretStr] = []

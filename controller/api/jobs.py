@@ -14,10 +14,10 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import Field
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -26,7 +26,10 @@ from deepfleet.controller.api.deps import (
     PrincipalDep,
     SessionDep,
     SettingsDep,
+    job_not_found,
+    json_body,
     project_job,
+    read_json,
     require,
 )
 from deepfleet.controller.api.logs import LogReader, LogUnavailable, follow, tail_bytes
@@ -42,10 +45,13 @@ from deepfleet.controller.api.schemas import (
     Metrics,
     Provenance,
     ProvenanceRecordOut,
+    list_fields,
+    view_fields,
 )
 from deepfleet.controller.bounds import MAX_DEPTH, DocumentTooLarge, check_document, short_errors
 from deepfleet.controller.db import jobs as store
 from deepfleet.controller.db import secrets as secret_store
+from deepfleet.controller.db import views
 from deepfleet.controller.db.models import JOB_PHASES, TERMINAL_PHASES, Attempt, Event, Heartbeat, Job
 from deepfleet.controller.policy import submit_errors
 from deepfleet.controller.spec import DNS_LABEL, AnyJob, SpecError, parse_job_yaml, secret_refs, validate_job
@@ -149,7 +155,7 @@ async def submit_job(request: Request, principal: PrincipalDep, session: Session
     return await run_in_threadpool(create)
 
 
-def _encode_cursor(job: Job | store.ListedJob) -> str:
+def _encode_cursor(job: Any) -> str:
     raw = json.dumps([job.created_at.isoformat(), job.id]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
@@ -181,9 +187,9 @@ def _labels(label: list[str]) -> dict[str, str]:
 
 
 @router.get("", response_model=JobList, responses={**ERRORS, 422: {"model": ErrorBody}}, summary="List jobs")
-def list_jobs(
+async def list_jobs(
+    request: Request,
     principal: PrincipalDep,
-    session: SessionDep,
     project: Annotated[str | None, Query(max_length=63, pattern=DNS_LABEL,
                                          description="Only this project (must be the token's own).")] = None,
     phase: Annotated[PhaseParam | None, Query(description="Only jobs in this phase.")] = None,
@@ -193,20 +199,29 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512, pattern=r"^[A-Za-z0-9_-]+$",
                                         description="next_cursor of the previous page.")] = None,
-) -> JobList:
+) -> Response:
     if project is not None and project != principal.project:
-        return JobList(items=[], total=0, next_cursor=None)  # another project's jobs are invisible
-    f = store.JobFilter(project=principal.project, phase=phase, queue=queue, labels=_labels(label), name=name)
+        return Response(json_body(list_fields([], total=0, next_cursor=None)),  # another project's jobs are invisible
+                        media_type="application/json")
+    f = views.JobFilter(project=principal.project, phase=phase, queue=queue, labels=_labels(label), name=name)
     after = _decode_cursor(cursor) if cursor else None
-    rows, total = store.list_jobs(session, f, limit=limit, after=after)
-    next_cursor = _encode_cursor(rows[-1]) if len(rows) == limit else None
-    items = [JobSummary.listed(r) for r in rows]
-    return JobList(items=items, total=total, next_cursor=next_cursor)
+
+    def page(connection: Connection) -> dict[str, Any]:
+        rows, total = views.list_jobs(connection, f, limit=limit, after=after)
+        return list_fields(rows, total=total, next_cursor=_encode_cursor(rows[-1]) if len(rows) == limit else None)
+
+    return await read_json(request, page)
 
 
 @router.get("/{job_id}", response_model=JobDetail, responses=ERRORS, summary="Get a job")
-def get_job(job_id: str, principal: PrincipalDep, session: SessionDep) -> JobDetail:
-    return JobDetail.of(project_job(session, principal, job_id))
+async def get_job(job_id: str, request: Request, principal: PrincipalDep) -> Response:
+    def detail(connection: Connection) -> dict[str, Any]:
+        view = views.view_job(connection, job_id, project=principal.project)
+        if view is None:
+            raise job_not_found(job_id)
+        return view_fields(view)
+
+    return await read_json(request, detail)
 
 
 @router.post(

@@ -4,9 +4,10 @@
 Installed by `create_app`. Why a bound: every API handler that touches the database runs in the
 thread pool and holds one pooled connection; past the pool's size requests queue inside SQLAlchemy
 and time out as 500s, and a saturated thread pool also starves every other endpoint. The
-`InflightLimit` middleware lets at most `limit` requests into the app at once (the rest wait up to
-`queue_timeout_s` for a slot, then get 429), and never applies to /healthz, /readyz and /metrics, so
-liveness keeps answering while the API is saturated. `create_app` sizes the thread pool and the
+`RequestGate` middleware lets at most `limit` requests into the app at once (the rest wait up to
+`queue_timeout_s` for a slot, reads before writes, then get 429), and never applies to /healthz, /readyz
+and /metrics, so liveness keeps answering while the API is saturated; a saturated process also closes
+the keep-alive connections it answers, so their clients reconnect to a less busy process. `create_app` sizes the thread pool and the
 database pool from the same number.
 
 Also how the API is served: `serve` (uvicorn on an inherited socket or host:port) and `ApiProcesses`,
@@ -16,6 +17,7 @@ the extra processes that answer the API on the same socket when one process's co
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -32,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepfleet.controller.db.outage import Outage, is_connection_error
 
@@ -44,13 +47,30 @@ RETRY_AFTER_DB_S = 5
 
 class RequestGate:
     """At most `limit` requests inside the app (waiters beyond `queue_timeout_s` are answered 429); a URL
-    with a NUL byte is answered 422 here (PostgreSQL cannot store or compare one)."""
+    with a NUL byte is answered 422 here (PostgreSQL cannot store or compare one).
 
-    def __init__(self, app: ASGIApp, *, limit: int, queue_timeout_s: float) -> None:
+    Reads go first: a freed slot passes to the oldest waiting GET before any waiting write, so listings
+    and job details do not queue behind submits (whose parsing costs several times a read's CPU). Writes
+    are not starved: while they wait, every `limit + 1`-th freed slot is theirs, and like any request a
+    write waits at most `queue_timeout_s`.
+
+    With `shed` (one of several API processes), a saturated process sheds connections: while requests
+    wait for a slot, each answer it sends closes its keep-alive connection (`Connection: close`), so that
+    client's next request connects anew and the kernel hands it to whichever API process accepts first,
+    the least busy one (see `ApiProcesses`). Without it, connections stay where they first landed: an
+    event loop accepts every pending connection at once, so one process of several held every client of
+    a burst for as long as they stayed (all the reads and submits of `benchmarks/controller_load.py`)."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, queue_timeout_s: float, shed: bool = False) -> None:
         self.app = app
         self.limit = limit
         self.queue_timeout_s = queue_timeout_s
-        self._slots: asyncio.Semaphore | None = None  # made on the server's event loop
+        self.shed = shed
+        self._free = limit
+        # Futures of the requests waiting for a slot (made on the server's event loop, where they wait).
+        self._reads: deque[asyncio.Future[None]] = deque()
+        self._writes: deque[asyncio.Future[None]] = deque()
+        self._reads_first = 0  # slots passed to reads in a row while writes waited
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,18 +82,66 @@ class RequestGate:
         if scope["path"] in UNLIMITED_PATHS:
             await self.app(scope, receive, send)
             return
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.limit)
-        try:
-            await asyncio.wait_for(self._slots.acquire(), timeout=self.queue_timeout_s)
-        except TimeoutError:
+        if not await self._acquire(self._reads if scope["method"] in ("GET", "HEAD") else self._writes):
             await _answer(send, 429, "server busy", "(request): the controller is at its request limit; retry "
                           f"after {RETRY_AFTER_BUSY_S} s", retry_after=RETRY_AFTER_BUSY_S)
             return
+
+        async def shedding(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.shed and (self._reads or self._writes):
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, shedding)
         finally:
-            self._slots.release()
+            self._release()
+
+    async def _acquire(self, queue: deque[asyncio.Future[None]]) -> bool:
+        """A slot for this request (True), or False after `queue_timeout_s`. Slots pass from a finished
+        request straight to a waiter (`_release`), so a free slot means nobody waits. Only the event loop
+        resolves a waiter (a slot, or the timeout), so the two cannot both reach one."""
+        if self._free > 0:
+            self._free -= 1
+            return True
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        queue.append(waiter)
+        timer = loop.call_later(self.queue_timeout_s, _expire, waiter)
+        try:
+            await waiter
+        except TimeoutError:
+            return False
+        except BaseException:  # cancelled (the client left, shutdown) after a slot was handed over: pass it on
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release()
+            raise
+        finally:
+            timer.cancel()
+        return True
+
+    def _release(self) -> None:
+        _drop_done(self._reads)
+        _drop_done(self._writes)
+        if self._reads and not (self._writes and self._reads_first >= self.limit):
+            self._reads_first = self._reads_first + 1 if self._writes else 0
+            self._reads.popleft().set_result(None)  # the slot passes to it
+        elif self._writes:
+            self._reads_first = 0
+            self._writes.popleft().set_result(None)
+        else:
+            self._free += 1
+
+
+def _drop_done(queue: deque[asyncio.Future[None]]) -> None:
+    """Drop the waiters that gave up (timed out or cancelled) from the head of `queue`."""
+    while queue and queue[0].done():
+        queue.popleft()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())  # `_release` skips it
 
 
 async def _answer(send: Send, status: int, detail: str, error: str, *, retry_after: int | None = None) -> None:
@@ -121,12 +189,39 @@ def inherited_socket(fd: int) -> socket.socket:
     return socket.socket(fileno=fd)
 
 
+class FreezeAfterStartup:
+    """Once the app's start-up is done, everything that exists (modules, settings, the app, the engine
+    config's models) lives as long as the process: `gc.freeze()` then takes it out of the garbage
+    collector's reach, so a full collection walks only what requests made since. It walked all of it,
+    in 35-70 ms pauses during which every request of the process waited (measured under
+    `benchmarks/controller_load.py`). Applied by `serve`, once per serving process (not in tests, where
+    an app's objects are garbage after the test)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def started(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                gc.collect()
+                gc.freeze()
+            await send(message)
+
+        await self.app(scope, receive, started)
+
+
 def serve(app: ASGIApp, *, fd: int | None = None, host: str = "127.0.0.1", port: int = 8000,
           **options: Any) -> None:
-    """Run `app` under uvicorn on an inherited listening socket `fd`, else on host:port."""
+    """Run `app` under uvicorn on an inherited listening socket `fd`, else on host:port (the objects of
+    its start-up frozen out of the garbage collector's reach, see `FreezeAfterStartup`)."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, timeout_keep_alive=KEEP_ALIVE_S, **options)
+    config = uvicorn.Config(FreezeAfterStartup(app), host=host, port=port, timeout_keep_alive=KEEP_ALIVE_S,
+                            **options)
     try:
         uvicorn.Server(config).run(sockets=[inherited_socket(fd)] if fd is not None else None)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a clean stop, not a traceback

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from deepfleet.controller.api.deps import ApiError, PrincipalDep, SessionDep, SettingsDep, require
 from deepfleet.controller.api.schemas import ErrorBody, TokenCreate, TokenCreated
@@ -42,7 +42,7 @@ def create_token(body: TokenCreate, principal: PrincipalDep, session: SessionDep
 
 @router.delete("/{token_id}", status_code=204, responses={401: {"model": ErrorBody}, 403: {"model": ErrorBody},
                                                           404: {"model": ErrorBody}}, summary="Revoke an API token")
-def revoke_token(token_id: str, principal: PrincipalDep, session: SessionDep) -> Response:
+def revoke_token(token_id: str, request: Request, principal: PrincipalDep, session: SessionDep) -> Response:
     require(principal, "admin", "revoke tokens")
     row = session.get(ApiToken, token_id)
     if row is None or row.project != principal.project:
@@ -51,4 +51,6 @@ def revoke_token(token_id: str, principal: PrincipalDep, session: SessionDep) ->
         row.revoked_at = utcnow()
         session.commit()
         log.info("token %s (%s) revoked by %s", row.id, row.project, principal.actor)
+    # At once in this process; the other API processes stop trusting it within settings.token_cache_s.
+    request.app.state.principals.forget(token_id)
     return Response(status_code=204)

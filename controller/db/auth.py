@@ -7,7 +7,9 @@ bootstrap token from settings. Formats and hashing live in `controller.tokens`.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
+from sqlalchemy import Connection, Row, select
 from sqlalchemy.orm import Session
 
 from deepfleet.controller.db.jobs import ensure_project
@@ -29,13 +31,19 @@ def create_api_token(
     return row, minted.token
 
 
-def find_api_token(session: Session, token: str, *, now: datetime | None = None) -> ApiToken | None:
-    """The live token row for a presented bearer token; None when unknown, wrong, revoked or expired."""
+_TOKEN_COLUMNS = (ApiToken.id, ApiToken.project, ApiToken.role, ApiToken.secret_hash, ApiToken.expires_at,
+                  ApiToken.revoked_at)
+
+
+def find_api_token(db: Session | Connection, token: str, *, now: datetime | None = None) -> Row[Any] | None:
+    """The live token's row (id, project, role, secret_hash, expires_at, revoked_at) for a presented bearer
+    token; None when unknown, wrong, revoked or expired. `db` is a session or a plain connection: the
+    columns are read as one row, not as a mapped object (this runs on every request's cache miss)."""
     parts = split_api_token(token)
     if parts is None:
         return None
     token_id, secret = parts
-    row = session.get(ApiToken, token_id)
+    row = db.execute(select(*_TOKEN_COLUMNS).where(ApiToken.id == token_id)).one_or_none()
     if row is None or not secret_matches(secret, row.secret_hash) or row.revoked_at is not None:
         return None
     if row.expires_at is not None and row.expires_at <= (now or utcnow()):

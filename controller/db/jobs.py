@@ -13,11 +13,11 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, exists, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, func, insert, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from deepfleet.controller import provenance as prov
@@ -210,87 +210,6 @@ def create_job(session: Session, spec: AnyJob, *, actor: str, backends: list[str
 def get_job(session: Session, job_id: str, *, project: str) -> Job | None:
     """The job if it belongs to `project` (another project's job is indistinguishable from none)."""
     return session.scalars(select(Job).where(Job.id == job_id, Job.project == project)).one_or_none()
-
-
-@dataclass(frozen=True)
-class JobFilter:
-    project: str
-    phase: str | None = None
-    queue: str | None = None
-    labels: dict[str, str] | None = None
-    name: str | None = None
-
-
-def _filtered(query: Select[Any], f: JobFilter) -> Select[Any]:
-    query = query.where(Job.project == f.project)
-    if f.phase:
-        query = query.where(Job.phase == f.phase)
-    if f.queue:
-        query = query.where(Job.queue == f.queue)
-    if f.name:
-        query = query.where(Job.name == f.name)
-    for key, value in (f.labels or {}).items():
-        query = query.where(exists().where(JobLabel.job_id == Job.id, JobLabel.key == key, JobLabel.value == value))
-    return query
-
-
-@dataclass(frozen=True)
-class ListedJob:
-    """One row of a listing: the summary's columns (no documents), its labels, and the two figures a
-    summary shows from the documents."""
-
-    id: str
-    name: str
-    project: str
-    queue: str
-    backend: str
-    priority: str
-    phase: str
-    message: str | None
-    desired_state: str
-    current_attempt: int
-    world_size: int
-    created_at: datetime
-    updated_at: datetime
-    finished_at: datetime | None
-    labels: dict[str, str]
-    step: int | None
-    """`last_heartbeat.step`, extracted in SQL."""
-    max_steps: int | None
-    """`spec.spec.maxSteps`, extracted in SQL."""
-
-
-_DERIVED = ("labels", "step", "max_steps")  # the fields of a ListedJob that are not columns of `jobs`
-_LISTED = tuple(getattr(Job, f.name) for f in fields(ListedJob) if f.name not in _DERIVED)
-
-
-def list_jobs(
-    session: Session, f: JobFilter, *, limit: int, after: tuple[datetime, str] | None = None
-) -> tuple[list[ListedJob], int]:
-    """Newest first, keyset-paginated on (created_at, id); also the total count matching the filter.
-
-    The count rides along as a scalar subquery and the summary's step and max steps are extracted from
-    the JSON documents in SQL (the documents stay in the database), so a page costs two round trips:
-    the page and its labels. Plain rows, not ORM objects: a page of 50 built as mapped `Job`s cost
-    several times the CPU of the query itself.
-    """
-    total_query = _filtered(select(func.count(Job.id)), f).scalar_subquery()
-    step = Job.last_heartbeat["step"].as_integer()
-    max_steps = Job.spec[("spec", "maxSteps")].as_integer()
-    query = (_filtered(select(*_LISTED, step, max_steps, total_query), f)
-             .order_by(Job.created_at.desc(), Job.id.desc()).limit(limit))
-    if after is not None:
-        created, job_id = after
-        query = query.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id)))
-    rows = session.execute(query).all()
-    if not rows:
-        return [], session.scalar(_filtered(select(func.count(Job.id)), f)) or 0
-    labels: dict[str, dict[str, str]] = {r[0]: {} for r in rows}
-    for job_id, key, value in session.execute(
-            select(JobLabel.job_id, JobLabel.key, JobLabel.value).where(JobLabel.job_id.in_(list(labels)))):
-        labels[job_id][key] = value
-    n = len(_LISTED)
-    return [ListedJob(*r[:n], labels=labels[r[0]], step=r[n], max_steps=r[n + 1]) for r in rows], rows[0][n + 2]
 
 
 def request_cancel(session: Session, job: Job, *, actor: str) -> bool:

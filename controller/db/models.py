@@ -181,8 +181,9 @@ class Job(Base):
     """A RUNNING ServingJob's URL, as its backend reports it; None for a training job or a stopped one."""
 
     labels: Mapped[list[JobLabel]] = relationship(
-        back_populates="job", cascade="all, delete-orphan", lazy="selectin"
+        back_populates="job", cascade="all, delete-orphan", lazy="selectin", order_by="JobLabel.key"
     )
+    """In key order, as the API shows them (`controller.db.views` aggregates them in that order too)."""
     attempts: Mapped[list[Attempt]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="Attempt.number"
     )

@@ -1,5 +1,6 @@
 """Under load and outages: the request gate answers 429 with Retry-After past its limit and never holds
-back /healthz; an unreachable database gives 503 JSON with Retry-After, logged once per outage; inputs
+back /healthz, lets waiting reads in before waiting writes and closes the connections a saturated process
+answers; an unreachable database gives 503 JSON with Retry-After, logged once per outage; inputs
 PostgreSQL cannot store (NUL bytes, numbers past a column's range) are 422, never 500."""
 
 from __future__ import annotations
@@ -53,6 +54,119 @@ def test_the_gate_sheds_load_with_429_and_lets_health_through() -> None:
     assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
     assert busy.json()["errors"] == ["(request): the controller is at its request limit; retry after 1 s"]
     assert nul.status_code == 422 and "NUL" in nul.json()["errors"][0]
+
+
+def _gated(limit: int, *, shed: bool = True) -> tuple[RequestGate, list[str], dict[str, asyncio.Event]]:
+    """A gate in front of an app whose requests each wait for their own event (by path) to finish."""
+    entered: list[str] = []
+    finish: dict[str, asyncio.Event] = {}
+
+    async def app(scope, receive, send) -> None:
+        entered.append(scope["path"])
+        await finish.setdefault(scope["path"], asyncio.Event()).wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return RequestGate(app, limit=limit, queue_timeout_s=5, shed=shed), entered, finish
+
+
+async def _until(condition) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the gate never got there")
+
+
+def test_reads_take_a_freed_slot_before_waiting_writes_and_busy_answers_close_the_connection() -> None:
+    gate, entered, finish = _gated(limit=1)
+
+    async def scenario() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://t") as c:
+            first = asyncio.create_task(c.post("/first"))
+            await _until(lambda: entered == ["/first"])
+            write = asyncio.create_task(c.post("/write"))
+            await _until(lambda: len(gate._writes) == 1)
+            read = asyncio.create_task(c.get("/read"))
+            await _until(lambda: len(gate._reads) == 1)
+            finish["/first"].set()
+            await _until(lambda: entered[-1] == "/read")
+            finish["/read"].set()
+            await _until(lambda: entered[-1] == "/write")
+            finish["/write"].set()
+            return {"first": await first, "read": await read, "write": await write}
+
+    answers = asyncio.run(scenario())
+    assert entered == ["/first", "/read", "/write"]  # the read queued after the write, and went first
+    assert all(r.status_code == 200 for r in answers.values())
+    # /first and /read answered while others waited: their clients reconnect (to a less busy process);
+    # the last one answered with nobody waiting keeps its connection.
+    assert [answers[k].headers.get("connection") for k in ("first", "read", "write")] == ["close", "close", None]
+    assert gate._free == 1
+
+
+def test_waiting_writes_get_every_other_slot_past_the_limit_and_one_process_never_sheds() -> None:
+    gate, entered, finish = _gated(limit=1, shed=False)
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://t") as c:
+            tasks = [asyncio.create_task(c.get("/r0"))]
+            await _until(lambda: entered == ["/r0"])
+            tasks.append(asyncio.create_task(c.post("/w1")))
+            await _until(lambda: len(gate._writes) == 1)
+            for i in range(1, 4):
+                tasks.append(asyncio.create_task(c.get(f"/r{i}")))
+                await _until(lambda i=i: len(gate._reads) == i)
+            for _ in range(5):
+                n = len(entered)
+                finish[entered[-1]].set()
+                if n < 5:
+                    await _until(lambda n=n: len(entered) == n + 1)
+            return await asyncio.gather(*tasks)
+
+    answers = asyncio.run(scenario())
+    # limit 1: one read goes ahead of the waiting write, then the write, then the other reads.
+    assert entered == ["/r0", "/r1", "/w1", "/r2", "/r3"]
+    assert all(r.status_code == 200 and "connection" not in r.headers for r in answers)
+
+
+def test_a_waiter_that_leaves_or_times_out_gives_no_slot_away() -> None:
+    gate, entered, finish = _gated(limit=1)
+    gate.queue_timeout_s = 0.05
+
+    async def scenario() -> tuple[int, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://t") as c:
+            first = asyncio.create_task(c.get("/first"))
+            await _until(lambda: entered == ["/first"])
+            leaving = asyncio.create_task(c.get("/leaving"))
+            await _until(lambda: len(gate._reads) == 1)
+            leaving.cancel()  # the client went away while it waited
+            late = await c.post("/late")  # waits 0.05 s behind /first: 429
+            finish["/first"].set()
+            await first
+            finish["/after"] = asyncio.Event()
+            finish["/after"].set()
+            after = await c.get("/after")
+            return late.status_code, after.status_code
+
+    assert asyncio.run(scenario()) == (429, 200)
+    assert entered == ["/first", "/after"] and gate._free == 1 and not gate._reads and not gate._writes
+
+
+def test_a_served_app_freezes_its_start_up_objects_once_started(app) -> None:
+    """`serve` wraps the app so that what start-up made is out of the collector's reach (short full
+    collections)."""
+    import gc
+
+    from deepfleet.controller.api.load import FreezeAfterStartup
+
+    gc.unfreeze()
+    try:
+        with TestClient(FreezeAfterStartup(app)) as client:
+            assert gc.get_freeze_count() > 10_000  # the modules, the app, the engine config's models
+            assert client.get("/healthz").status_code == 200
+    finally:
+        gc.unfreeze()
 
 
 def test_an_unreachable_database_is_503_json_logged_once(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
