@@ -8,7 +8,9 @@ same model and global batch in one process (pp 1): its step time over the stage 
 pipeline step, so a schedule's measured bubble is `1 - (t_seq / pp) / t_step`, printed beside the
 analytical fraction (engine/pipe/schedule.py's `bubble_fraction`). `--compare` runs everything
 interleaved, `--repeats` times, and prints medians and ratios (timing on a shared machine is noisy; the
-ratios of interleaved runs are the figures).
+ratios of interleaved runs are the figures). `--bf16` trains both engines in bf16 (`bf16.enabled`);
+`--partition` picks the partition method, and `profile` (deepfleet's measured per-layer time) runs
+DeepSpeed with `parameters`, which it has instead.
 
 Usage: python benchmarks/pipeline.py --compare [--repeats 3]
        torchrun --standalone --nproc-per-node 2 benchmarks/pipeline.py --impl deepfleet --schedule 1F1B
@@ -43,6 +45,8 @@ def bench_config(args: argparse.Namespace, schedule: str | None) -> dict:
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10**9,
     }
+    if args.bf16:
+        cfg["bf16"] = {"enabled": True}
     if schedule is not None:
         cfg["pipeline"] = {"schedule": schedule}
     return cfg
@@ -105,7 +109,14 @@ def rank_main(args: argparse.Namespace) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     pp = 1 if args.impl == "sequential" else world
     extra = {"schedule": args.schedule} if args.impl == "deepfleet" and args.schedule not in ("GPipe", "1F1B") else {}
-    model = PipelineModule(gpt_layers(args), num_stages=pp, loss_fn=loss_fn, partition_method="parameters", **extra)
+    if args.impl == "deepspeed" and args.partition == "profile":
+        args.partition = "parameters"  # DeepSpeed's PipelineModule has no measured-time partition
+    if args.partition != "parameters":
+        extra["partition_method"] = args.partition
+        if args.partition == "profile":
+            extra["profile_input"] = torch.zeros(args.micro_batch, args.seq, dtype=torch.long)
+    model = PipelineModule(gpt_layers(args), num_stages=pp, loss_fn=loss_fn,
+                           **{"partition_method": "parameters", **extra})
     schedule = args.schedule if args.impl == "deepfleet" else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
                                            config=bench_config(args, schedule))
@@ -137,7 +148,7 @@ def rank_main(args: argparse.Namespace) -> None:
         median = statistics.median(times)
         print(json.dumps({
             "bench": "pipeline", "impl": args.impl, "schedule": args.schedule if args.impl == "deepfleet" else "1F1B",
-            "stages": pp, "micro_batches": args.micro_batches, "step_time_median_s": round(median, 5),
+            "stages": pp, "micro_batches": args.micro_batches, "partition": args.partition, "bf16": args.bf16, "step_time_median_s": round(median, 5),
             "tokens_per_s": round(per_step * args.seq / median, 1),
             "state_bytes_per_stage": [g["state_bytes"] for g in gathered],
             "max_rss_mb_per_stage": [round(g["max_rss_mb"], 1) for g in gathered], "losses": losses,
@@ -209,6 +220,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--bf16", action="store_true", help="bf16 training (`bf16.enabled`) on both engines")
+    ap.add_argument("--partition", default="parameters",
+                    help="partition_method (parameters, uniform, type:<regex>; profile: deepfleet's measured per-layer "
+                    "time, which DeepSpeed lacks, so --compare runs DeepSpeed with parameters)")
     args = ap.parse_args()
     if args.compare:
         skip = {"--compare"}
