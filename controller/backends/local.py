@@ -507,8 +507,14 @@ class LocalBackend:
             del self._children[pid]
 
     def _kill(self, name: str, state: dict) -> None:
+        seen: set[int] = set(state.get("pids", []))
+
         def targets() -> set[int]:
-            return {p for p in [*state.get("pids", []), *_marked(name)] if _alive(p)}
+            # A process once seen stays a target until it is gone: an exiting process has already
+            # released its memory, environment included, so it no longer reads as marked while the
+            # kernel is still tearing it down.
+            seen.update(_marked(name))
+            return {p for p in seen if _alive(p)}
 
         self._signal(state.get("pids", []), targets(), signal.SIGTERM)
         deadline = self._clock() + self.cancel_grace_s
