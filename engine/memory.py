@@ -154,10 +154,12 @@ class LiveStorages:
     tensors handed to `track` (model state that already exists when the window opens). A storage is
     released when its last reference dies (a weak reference's callback).
 
-    Storages handed to `track(..., follow_resizes=True)` are measured again around every op: FSDP2
+    Storages handed to `track(..., follow_resizes=True)` are measured again after every op: FSDP2
     frees and re-allocates a unit's gathered parameters by resizing their storages in place
     (`untyped_storage().resize_`, which no dispatch mode sees), and NVMe parameter offload does the
-    same with the shards it moves to files, so their bytes are followed rather than taken once.
+    same with the shards it moves to files, so their bytes are followed rather than taken once. Once
+    after each op is enough: an op frees no storage its caller still holds, so the state after an op is
+    never below the state just before it.
 
     This is what the planner's accuracy figure is measured with on a CPU build, where torch keeps no
     allocator statistics (`torch.cuda.max_memory_allocated` has no CPU twin): it sees activations and
@@ -171,10 +173,9 @@ class LiveStorages:
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-                tracker._follow_resizes()  # a storage resized up just before this op (allocated to be filled)
                 out = func(*args, **(kwargs or {}))
                 tracker._track_tree(out)
-                tracker._follow_resizes()
+                tracker._follow_resizes()  # after the op: it sees a resize made before it as well
                 return out
 
         self._mode = _Mode()
