@@ -32,10 +32,6 @@ def _measured() -> list[list[dict]]:
         shutil.rmtree(NVME, ignore_errors=True)
 
 
-def _profile(size: str):
-    return profile(size)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_planner_is_within_10_percent_of_the_measured_high_water_mark(case: tuple) -> None:
     predicted = planned(case, NVME).total
@@ -60,7 +56,7 @@ def test_checkpointing_lowers_the_measured_peak_as_the_planner_says() -> None:
 
 
 def test_budget_mode_picks_the_fewest_blocks_that_fit() -> None:
-    prof = _profile("medium")
+    prof = profile("medium")
     cfg = load_config(engine_config(0), world_size=2)
     none = estimate(prof, cfg, world_size=2, choice=Choice(stage=0)).total
     every = estimate(prof, cfg, world_size=2, choice=Choice(stage=0, checkpoint=(0, 1, 2, 3))).total
@@ -72,7 +68,7 @@ def test_budget_mode_picks_the_fewest_blocks_that_fit() -> None:
 
 
 def test_plan_covers_every_choice_and_offload_moves_bytes_to_its_tier() -> None:
-    result = plan(engine_config(1), gpt, world_size=2, profile=_profile("small"), budget_gib=1.0)
+    result = plan(engine_config(1), gpt, world_size=2, profile=profile("small"), budget_gib=1.0)
     stages = {e.choice.stage for e in result.estimates}
     assert stages == {0, 1, 2, 3}
     by = {(e.choice.stage, e.choice.offload_optimizer, e.choice.offload_param, bool(e.choice.checkpoint)): e
@@ -85,7 +81,7 @@ def test_plan_covers_every_choice_and_offload_moves_bytes_to_its_tier() -> None:
 
 
 def test_nvme_parameter_offload_moves_the_fp32_shards_to_files_less_max_in_cpu() -> None:
-    prof = _profile("small")
+    prof = profile("small")
     shards = prof.num_params / 2 * 4  # this rank's fp32 shards at 2 ranks: what the unit files hold
     base = engine_config(3) | {"bf16": {"enabled": True}}
     off = Choice(stage=3, offload_param="nvme")
